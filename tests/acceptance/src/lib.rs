@@ -1,0 +1,1 @@
+//! Harness for driving Terraform; see tests/.
