@@ -1,1 +1,19 @@
+//! lbscale's reconciliation engine.
+//!
+//! - [`model`]: the declared objects and their validation;
+//! - [`store`]: the store shared by the provider and the daemon;
+//! - [`cloud`]: the drivers (where nodes come from, how clients reach them);
+//! - [`nodeapi`]: the client of a node's management API;
+//! - [`reconcile`]: apply-time reconciliation of one group: level-triggered, it
+//!   reads what is declared and what is observed and closes the gap.
+//!
+//! The decisions themselves (threshold policy, slow start, SE plan) live in
+//! `lbscale-core`, which has no I/O.
 
+pub mod cloud;
+pub mod model;
+pub mod nodeapi;
+pub mod reconcile;
+pub mod store;
+
+pub use reconcile::{Engine, EngineError};

@@ -1,0 +1,89 @@
+//! Cloud drivers: where nodes come from and how clients reach them.
+//!
+//! Two small traits keep the engine free of any one cloud:
+//! - [`Cloud`] provisions and deprovisions nodes and says whether one still exists;
+//! - [`Distributor`] runs a traffic distributor and publishes the addresses that it
+//!   hands out.
+//!
+//! `local` is the embedded default: nodes are `lbscale-node` processes on loopback
+//! addresses of this machine, the `dns` distributor is an authoritative DNS server
+//! process and the `nlb` distributor an L4 forwarder process.
+
+pub mod local;
+
+use crate::model::DistributorSpec;
+use crate::store::NodeRow;
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CloudError {
+    #[error("{0}")]
+    Failed(String),
+    #[error("the {0} cloud driver is not built yet; only \"local\" works in this version")]
+    NotBuilt(String),
+}
+
+pub type Result<T> = std::result::Result<T, CloudError>;
+
+/// What the engine asks for when it needs a node.
+#[derive(Debug, Clone)]
+pub struct ProvisionRequest {
+    pub node_id: String,
+    pub group_id: String,
+    pub az: String,
+    pub memory_limit_mb: i64,
+    /// The group's node API token (sensitive).
+    pub token: String,
+}
+
+/// A node that exists in the cloud.
+#[derive(Debug, Clone)]
+pub struct Provisioned {
+    pub private_ip: String,
+    pub public_ip: Option<String>,
+    /// Where its management API listens.
+    pub api_port: u16,
+    /// Driver-specific handle, kept in the store.
+    pub handle: serde_json::Value,
+}
+
+#[async_trait::async_trait]
+pub trait Cloud: Send + Sync {
+    /// Creates the node and returns once it exists (not necessarily serving yet).
+    async fn provision(&self, req: &ProvisionRequest) -> Result<Provisioned>;
+    /// Removes the node; idempotent (a node that is already gone is fine).
+    async fn deprovision(&self, node: &NodeRow) -> Result<()>;
+    /// Whether the node still exists and runs.
+    fn is_alive(&self, node: &NodeRow) -> bool;
+    /// The port of the node's management API.
+    fn api_port(&self, node: &NodeRow) -> u16;
+}
+
+/// What a distributor must hand out: per AZ, the serving nodes' addresses, and the
+/// vserver ports (an `nlb` forwards each port of each AZ's VIP).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Publication {
+    /// AZ -> addresses of the nodes registered in that AZ.
+    pub endpoints: BTreeMap<String, Vec<String>>,
+    /// AZ -> TCP ports to forward (vservers placed on groups in that AZ).
+    pub ports: BTreeMap<String, Vec<u16>>,
+}
+
+#[async_trait::async_trait]
+pub trait Distributor: Send + Sync {
+    /// Starts the distributor if it does not run (idempotent).
+    async fn ensure(&self, id: &str, spec: &DistributorSpec) -> Result<()>;
+    /// Makes the distributor hand out exactly `publication`, and returns once it does.
+    async fn publish(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+    ) -> Result<()>;
+    /// Stops the distributor and frees what it held (idempotent).
+    async fn remove(&self, id: &str) -> Result<()>;
+    /// Where clients go: the DNS server (`dns`) or each AZ's VIP (`nlb`).
+    fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String>;
+    /// Whether its process runs.
+    fn is_alive(&self, id: &str) -> bool;
+}

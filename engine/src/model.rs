@@ -1,0 +1,505 @@
+//! The declared objects (what Terraform and the store hold) and their validation.
+//!
+//! Validators take the individual values they check, so that the provider can run
+//! each rule as soon as its inputs are known at plan time (a value that is still
+//! unknown is simply not checked yet). Every finding carries the path of the
+//! attribute it is about, so that Terraform points at the right line.
+
+use lbscale_core::duration::parse_duration;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+pub const CLOUDS: &[&str] = &["local", "aws", "azure", "gcp"];
+pub const DISTRIBUTOR_MODES: &[&str] = &["dns", "nlb"];
+pub const METRICS: &[&str] = &["cpu", "memory", "throughput"];
+pub const SERVICE_TYPES: &[&str] = &["HTTP", "TCP", "UDP"];
+pub const LB_METHODS: &[&str] = &[
+    "ROUNDROBIN",
+    "LEASTCONNECTION",
+    "LEASTRESPONSETIME",
+    "LEASTBANDWIDTH",
+    "LEASTPACKETS",
+    "LRTM",
+    "CUSTOMLOAD",
+];
+pub const PERSISTENCE: &[&str] = &["NONE", "COOKIE", "SOURCEIP"];
+pub const SLOW_START_UNITS: &[&str] = &["PER_SECOND", "PERCENT"];
+pub const SCALING_MODES: &[&str] = &["native", "bgp", "native_and_bgp"];
+
+pub const DEFAULT_MEMORY_LIMIT_MB: i64 = 256;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DistributorSpec {
+    pub name: String,
+    pub cloud: String,
+    pub mode: String,
+    pub domain: Option<String>,
+    pub ttl: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ThresholdSpec {
+    pub metric: String,
+    pub min: f64,
+    pub max: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSizeSpec {
+    pub memory_limit_mb: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupSpec {
+    pub name: String,
+    pub cloud: String,
+    pub availability_zones: Vec<String>,
+    pub traffic_distributor_id: String,
+    pub min_nodes: i64,
+    pub max_nodes: i64,
+    pub stats_interval: String,
+    pub watch_time: String,
+    pub cooldown: String,
+    pub drain_timeout: String,
+    pub thresholds: Vec<ThresholdSpec>,
+    /// `None` when the configuration has no `node` block (defaults apply).
+    pub node: Option<NodeSizeSpec>,
+    pub apply_timeout: String,
+}
+
+impl GroupSpec {
+    pub fn memory_limit_mb(&self) -> i64 {
+        self.node
+            .as_ref()
+            .map_or(DEFAULT_MEMORY_LIMIT_MB, |n| n.memory_limit_mb)
+    }
+    pub fn drain_timeout(&self) -> Duration {
+        parse_duration(&self.drain_timeout).unwrap_or(Duration::from_secs(600))
+    }
+    pub fn apply_timeout(&self) -> Duration {
+        parse_duration(&self.apply_timeout).unwrap_or(Duration::from_secs(300))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeGroupSpec {
+    pub name: String,
+    pub autoscale_group_id: String,
+    pub scaling_mode: String,
+    pub min_scaleout_per_vs: i64,
+    pub max_scaleout_per_vs: i64,
+    pub vs_scalein_timeout: String,
+    pub se_tunnel_mode: i64,
+    pub primary_forwarding_cost: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceSpec {
+    pub name: String,
+    pub address: String,
+    pub port: i64,
+    pub weight: i64,
+    pub enabled: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlowStartSpec {
+    pub new_service_request: i64,
+    pub unit: String,
+    pub increment_interval: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VserverSpec {
+    pub name: String,
+    pub se_group_id: String,
+    pub service_type: String,
+    pub port: i64,
+    pub lb_method: String,
+    pub persistence: String,
+    pub services: Vec<ServiceSpec>,
+    /// `None` when the configuration has no `slow_start` block.
+    pub slow_start: Option<SlowStartSpec>,
+}
+
+/// One step of the path to the attribute a finding is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathStep {
+    Attr(&'static str),
+    Index(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// A validation finding: which attribute, what is wrong and what is allowed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finding {
+    pub severity: Severity,
+    pub path: Vec<PathStep>,
+    pub summary: String,
+    pub detail: String,
+}
+
+impl Finding {
+    pub fn error(
+        path: Vec<PathStep>,
+        summary: impl Into<String>,
+        detail: impl Into<String>,
+    ) -> Self {
+        Finding {
+            severity: Severity::Error,
+            path,
+            summary: summary.into(),
+            detail: detail.into(),
+        }
+    }
+    pub fn warning(
+        path: Vec<PathStep>,
+        summary: impl Into<String>,
+        detail: impl Into<String>,
+    ) -> Self {
+        Finding {
+            severity: Severity::Warning,
+            path,
+            summary: summary.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Collects findings; each `check_*` adds what it finds.
+#[derive(Debug, Default)]
+pub struct Findings(pub Vec<Finding>);
+
+impl Findings {
+    pub fn has_errors(&self) -> bool {
+        self.0.iter().any(|f| f.severity == Severity::Error)
+    }
+
+    /// `value` must be one of `allowed`.
+    pub fn one_of(&mut self, path: Vec<PathStep>, field: &str, value: &str, allowed: &[&str]) {
+        if !allowed.contains(&value) {
+            self.0.push(Finding::error(
+                path,
+                format!("Invalid {field}"),
+                format!(
+                    "{field} must be one of {}, got {value:?}.",
+                    allowed
+                        .iter()
+                        .map(|a| format!("\"{a}\""))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+    }
+
+    /// `value` must be a duration string; returns it when it is.
+    pub fn duration(&mut self, path: Vec<PathStep>, field: &str, value: &str) -> Option<Duration> {
+        match parse_duration(value) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.0.push(Finding::error(
+                    path,
+                    format!("Invalid {field}"),
+                    format!("{field} {e}."),
+                ));
+                None
+            }
+        }
+    }
+
+    /// `lo <= value <= hi`.
+    pub fn range(&mut self, path: Vec<PathStep>, field: &str, value: i64, lo: i64, hi: i64) {
+        if value < lo || value > hi {
+            self.0.push(Finding::error(
+                path,
+                format!("Invalid {field}"),
+                format!("{field} must be between {lo} and {hi}, got {value}."),
+            ));
+        }
+    }
+
+    /// Thresholds: known metrics, `min < max`, one block per metric, percent bounds.
+    pub fn thresholds(&mut self, thresholds: &[ThresholdSpec]) {
+        if thresholds.is_empty() {
+            self.0.push(Finding::error(
+                vec![PathStep::Attr("threshold")],
+                "Missing threshold",
+                "At least one threshold block is required (metric \"cpu\", \"memory\" or \"throughput\").",
+            ));
+        }
+        let mut seen: Vec<&str> = Vec::new();
+        for (i, t) in thresholds.iter().enumerate() {
+            let at = |attr| {
+                vec![
+                    PathStep::Attr("threshold"),
+                    PathStep::Index(i),
+                    PathStep::Attr(attr),
+                ]
+            };
+            self.one_of(at("metric"), "threshold.metric", &t.metric, METRICS);
+            if seen.contains(&t.metric.as_str()) {
+                self.0.push(Finding::error(
+                    at("metric"),
+                    "Duplicate threshold metric",
+                    format!(
+                        "Only one threshold block per metric is allowed; {:?} appears more than once.",
+                        t.metric
+                    ),
+                ));
+            }
+            seen.push(&t.metric);
+            if t.min >= t.max {
+                self.0.push(Finding::error(
+                    at("min"),
+                    "Invalid threshold",
+                    format!(
+                        "threshold min must be below max for metric {:?}, got min = {} and max = {}.",
+                        t.metric, t.min, t.max
+                    ),
+                ));
+            }
+            if t.min < 0.0 {
+                self.0.push(Finding::error(
+                    at("min"),
+                    "Invalid threshold",
+                    format!("threshold min must be 0 or more, got {}.", t.min),
+                ));
+            }
+            if (t.metric == "cpu" || t.metric == "memory") && t.max > 100.0 {
+                self.0.push(Finding::error(
+                    at("max"),
+                    "Invalid threshold",
+                    format!(
+                        "threshold max for {:?} is a percentage and must be at most 100, got {}.",
+                        t.metric, t.max
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// `watch_time` must be a positive multiple of `stats_interval`.
+    pub fn timing(&mut self, stats_interval: &str, watch_time: &str) {
+        let si = self.duration(
+            vec![PathStep::Attr("stats_interval")],
+            "stats_interval",
+            stats_interval,
+        );
+        let wt = self.duration(vec![PathStep::Attr("watch_time")], "watch_time", watch_time);
+        if let Some(si) = si {
+            if si.is_zero() {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("stats_interval")],
+                    "Invalid stats_interval",
+                    "stats_interval must be longer than zero.",
+                ));
+                return;
+            }
+            if let Some(wt) = wt {
+                if wt.is_zero() || wt.as_millis() % si.as_millis() != 0 {
+                    self.0.push(Finding::error(
+                        vec![PathStep::Attr("watch_time")],
+                        "Invalid watch_time",
+                        format!(
+                            "watch_time must be a positive multiple of stats_interval ({stats_interval}), got {watch_time}."
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// `1 <= min_nodes <= max_nodes`.
+    pub fn node_bounds(&mut self, min_nodes: Option<i64>, max_nodes: Option<i64>) {
+        if let Some(min) = min_nodes {
+            if min < 1 {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("min_nodes")],
+                    "Invalid min_nodes",
+                    format!("min_nodes must be at least 1, got {min}."),
+                ));
+            }
+        }
+        if let Some(max) = max_nodes {
+            if max < 1 || max > 64 {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("max_nodes")],
+                    "Invalid max_nodes",
+                    format!("max_nodes must be between 1 and 64, got {max}."),
+                ));
+            }
+        }
+        if let (Some(min), Some(max)) = (min_nodes, max_nodes) {
+            if min > max {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("min_nodes")],
+                    "Invalid node bounds",
+                    format!("min_nodes must be less than or equal to max_nodes, got min_nodes = {min} and max_nodes = {max}."),
+                ));
+            }
+        }
+    }
+
+    /// Availability zones: at least one, no duplicates, no empty names.
+    pub fn availability_zones(&mut self, zones: &[String]) {
+        if zones.is_empty() {
+            self.0.push(Finding::error(
+                vec![PathStep::Attr("availability_zones")],
+                "Invalid availability_zones",
+                "availability_zones must list at least one zone.",
+            ));
+        }
+        for (i, z) in zones.iter().enumerate() {
+            if z.is_empty()
+                || !z
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("availability_zones"), PathStep::Index(i)],
+                    "Invalid availability zone",
+                    format!("an availability zone name uses letters, digits, '-' and '_' only, got {z:?}."),
+                ));
+            }
+            if zones[..i].contains(z) {
+                self.0.push(Finding::error(
+                    vec![PathStep::Attr("availability_zones"), PathStep::Index(i)],
+                    "Duplicate availability zone",
+                    format!("availability zone {z:?} is listed more than once."),
+                ));
+            }
+        }
+    }
+
+    /// A name that becomes part of process names, files and DNS: 1-63 of `[A-Za-z0-9_-]`.
+    pub fn name(&mut self, value: &str) {
+        if value.is_empty()
+            || value.len() > 63
+            || !value
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            self.0.push(Finding::error(
+                vec![PathStep::Attr("name")],
+                "Invalid name",
+                format!("name must be 1 to 63 letters, digits, '-' or '_', got {value:?}."),
+            ));
+        }
+    }
+
+    /// A DNS domain name.
+    pub fn domain(&mut self, value: &str) {
+        let ok = !value.is_empty()
+            && value.len() <= 253
+            && value.trim_end_matches('.').split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            });
+        if !ok {
+            self.0.push(Finding::error(
+                vec![PathStep::Attr("domain")],
+                "Invalid domain",
+                format!("domain must be a DNS name such as \"app.example.com\", got {value:?}."),
+            ));
+        }
+    }
+}
+
+/// The plan-time rule that ties a vserver to the distributor of its group.
+pub fn check_vserver_placement(
+    findings: &mut Findings,
+    service_type: &str,
+    persistence: &str,
+    distributor_mode: &str,
+    zone_count: usize,
+) {
+    if service_type == "UDP" && distributor_mode == "nlb" {
+        findings.0.push(Finding::error(
+            vec![PathStep::Attr("service_type")],
+            "UDP vserver behind an nlb distributor",
+            "UDP applications need a dns traffic distributor: the group of this vserver's SE group uses an \"nlb\" distributor, which forwards TCP only.",
+        ));
+    }
+    if persistence == "SOURCEIP" && zone_count > 1 {
+        findings.0.push(Finding::warning(
+            vec![PathStep::Attr("persistence")],
+            "SOURCEIP persistence across availability zones",
+            format!("This vserver's group spans {zone_count} availability zones; source-IP persistence is kept per AZ cluster and cannot be shared across them. Only COOKIE persistence works across AZ clusters."),
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(metric: &str, min: f64, max: f64) -> ThresholdSpec {
+        ThresholdSpec {
+            metric: metric.into(),
+            min,
+            max,
+        }
+    }
+
+    #[test]
+    fn threshold_rules_point_at_the_block() {
+        let mut f = Findings::default();
+        f.thresholds(&[
+            t("cpu", 20.0, 80.0),
+            t("memory", 85.0, 40.0),
+            t("cpu", 1.0, 2.0),
+            t("disk", 1.0, 2.0),
+        ]);
+        let paths: Vec<_> =
+            f.0.iter()
+                .map(|x| (x.path.clone(), x.detail.clone()))
+                .collect();
+        assert!(paths
+            .iter()
+            .any(|(p, d)| p[1] == PathStep::Index(1) && d.contains("min must be below max")));
+        assert!(paths.iter().any(
+            |(p, d)| p[1] == PathStep::Index(2) && d.contains("one threshold block per metric")
+        ));
+        assert!(paths.iter().any(|(p, d)| p[1] == PathStep::Index(3)
+            && d.contains("\"cpu\", \"memory\", \"throughput\"")));
+        assert_eq!(f.0.len(), 3);
+    }
+
+    #[test]
+    fn watch_time_must_be_a_positive_multiple() {
+        let mut f = Findings::default();
+        f.timing("1m", "90s");
+        assert!(f.0[0]
+            .detail
+            .contains("positive multiple of stats_interval (1m), got 90s"));
+        let mut ok = Findings::default();
+        ok.timing("30s", "2m");
+        assert!(ok.0.is_empty());
+        let mut zero = Findings::default();
+        zero.timing("1m", "0s");
+        assert_eq!(zero.0.len(), 1);
+    }
+
+    #[test]
+    fn placement_rules() {
+        let mut f = Findings::default();
+        check_vserver_placement(&mut f, "UDP", "SOURCEIP", "nlb", 2);
+        assert_eq!(f.0[0].severity, Severity::Error);
+        assert!(f.0[0]
+            .detail
+            .contains("UDP applications need a dns traffic distributor"));
+        assert_eq!(f.0[1].severity, Severity::Warning);
+        let mut g = Findings::default();
+        check_vserver_placement(&mut g, "UDP", "SOURCEIP", "dns", 1);
+        assert!(g.0.is_empty());
+    }
+}

@@ -1,0 +1,999 @@
+//! Apply-time reconciliation: the engine that the provider embeds.
+//!
+//! Level-triggered, like the best controllers: every call reads what is declared
+//! (the store) and what is observed (the driver: which node processes still run,
+//! what they serve), closes the gap, and records every step as an event. A run that
+//! fails half-way leaves rows that say where it stopped; the next run picks up from
+//! there. Side effects on a group happen only under the group's lease, so that the
+//! provider and the daemon never act on one group at the same time.
+
+use crate::cloud::local::{LocalCloud, LocalSettings};
+use crate::cloud::{Cloud, CloudError, Distributor, ProvisionRequest, Publication};
+use crate::model::{
+    check_vserver_placement, DistributorSpec, Finding, Findings, GroupSpec, PathStep, SeGroupSpec,
+    VserverSpec,
+};
+use crate::nodeapi::NodeClient;
+use crate::store::{now_ms, NodeRow, NodeState, Row, Store, StoreError};
+use lbscale_core::duration::parse_duration;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Cloud(#[from] CloudError),
+    /// The configuration cannot be applied as it stands (names the attribute).
+    #[error("{}: {}", .0.summary, .0.detail)]
+    Invalid(Finding),
+    #[error("{0} not found in the store")]
+    NotFound(String),
+    #[error("{0}")]
+    InUse(String),
+    /// A wait ran past its deadline; `step` says which one.
+    #[error("timed out after {after_s}s at step \"{step}\": {detail}")]
+    Timeout {
+        step: &'static str,
+        after_s: u64,
+        detail: String,
+    },
+    #[error("step \"{step}\" failed: {detail}")]
+    Step { step: &'static str, detail: String },
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// One node as Terraform and the CLI show it: its stored row with the state that
+/// is observed now (a node whose process died shows as `failed`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeView {
+    pub id: String,
+    pub availability_zone: String,
+    pub private_ip: String,
+    pub public_ip: Option<String>,
+    pub state: String,
+    pub serving: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct GroupView {
+    pub id: String,
+    pub spec: GroupSpec,
+    pub nodes: Vec<NodeView>,
+}
+
+impl GroupView {
+    /// Nodes serving now: active, registered with the distributor, and alive.
+    pub fn node_count(&self) -> i64 {
+        self.nodes.iter().filter(|n| n.serving).count() as i64
+    }
+    /// `ok` when every AZ has at least `min_nodes` serving, else what is missing.
+    pub fn status(&self) -> String {
+        let short: Vec<String> = self
+            .spec
+            .availability_zones
+            .iter()
+            .filter_map(|az| {
+                let n = self
+                    .nodes
+                    .iter()
+                    .filter(|n| n.serving && &n.availability_zone == az)
+                    .count() as i64;
+                (n < self.spec.min_nodes)
+                    .then(|| format!("{az}: {n}/{} serving", self.spec.min_nodes))
+            })
+            .collect();
+        if short.is_empty() {
+            "ok".into()
+        } else {
+            format!("degraded ({})", short.join(", "))
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DistributorView {
+    pub id: String,
+    pub spec: DistributorSpec,
+    pub endpoints: Vec<String>,
+    pub address: BTreeMap<String, String>,
+}
+
+pub struct Engine {
+    pub store: Arc<Store>,
+    local: LocalCloud,
+    holder: String,
+}
+
+/// How long a lease outlives the deadline of the run that holds it, so that a
+/// crashed holder's groups are free again soon.
+const LEASE_SLACK: Duration = Duration::from_secs(30);
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{:08x}", rand::random::<u32>())
+}
+
+fn new_token() -> String {
+    (0..32)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect()
+}
+
+impl Engine {
+    /// Opens the store at `state_url` (relative paths from `base_dir`).
+    pub fn open(state_url: &str, base_dir: &Path, local: LocalSettings) -> Result<Engine> {
+        let store = Arc::new(Store::open_url(state_url, base_dir)?);
+        let holder = format!(
+            "provider-{}-{:04x}",
+            std::process::id(),
+            rand::random::<u16>()
+        );
+        Ok(Engine {
+            local: LocalCloud::new(local, store.clone()),
+            store,
+            holder,
+        })
+    }
+
+    fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
+        match name {
+            "local" => Ok(&self.local),
+            other => Err(CloudError::NotBuilt(other.to_string()).into()),
+        }
+    }
+
+    fn distributor_driver(&self, cloud: &str) -> Result<&dyn Distributor> {
+        match cloud {
+            "local" => Ok(&self.local),
+            other => Err(CloudError::NotBuilt(other.to_string()).into()),
+        }
+    }
+
+    // --- traffic distributors ----------------------------------------------------
+
+    pub async fn create_distributor(&self, spec: &DistributorSpec) -> Result<String> {
+        let driver = self.distributor_driver(&spec.cloud)?;
+        let id = new_id("td");
+        self.store.insert_distributor(&id, spec)?;
+        driver.publish(&id, spec, &Publication::default()).await?;
+        Ok(id)
+    }
+
+    pub async fn update_distributor(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
+        self.store.update_distributor(id, spec)?;
+        self.publish(id).await
+    }
+
+    pub async fn delete_distributor(&self, id: &str) -> Result<()> {
+        let Some(row) = self.store.distributor(id)? else {
+            return Ok(());
+        };
+        let groups = self.store.groups_of_distributor(id)?;
+        if !groups.is_empty() {
+            let names: Vec<_> = groups.iter().map(|g| g.spec.name.as_str()).collect();
+            return Err(EngineError::InUse(format!(
+                "traffic distributor {:?} is still used by autoscale group(s) {}; destroy them first",
+                row.spec.name,
+                names.join(", ")
+            )));
+        }
+        self.distributor_driver(&row.spec.cloud)?.remove(id).await?;
+        self.store.delete_distributor(id)?;
+        Ok(())
+    }
+
+    pub fn distributor_view(&self, id: &str) -> Result<Option<DistributorView>> {
+        let Some(row) = self.store.distributor(id)? else {
+            return Ok(None);
+        };
+        let driver = self.distributor_driver(&row.spec.cloud)?;
+        let publication = self.publication(id)?;
+        Ok(Some(DistributorView {
+            endpoints: publication.endpoints.values().flatten().cloned().collect(),
+            address: driver.addresses(id, &row.spec),
+            id: row.id,
+            spec: row.spec,
+        }))
+    }
+
+    /// What the distributor must hand out now: every registered node of every group
+    /// that uses it, and the ports of the vservers placed on those groups.
+    fn publication(&self, distributor_id: &str) -> Result<Publication> {
+        let mut p = Publication::default();
+        for g in self.store.groups_of_distributor(distributor_id)? {
+            let mut ports: Vec<u16> = self
+                .store
+                .vservers_of_group(&g.id)?
+                .iter()
+                .filter(|v| v.spec.service_type != "UDP")
+                .map(|v| v.spec.port as u16)
+                .collect();
+            ports.sort_unstable();
+            ports.dedup();
+            for az in &g.spec.availability_zones {
+                p.endpoints.entry(az.clone()).or_default();
+                let e = p.ports.entry(az.clone()).or_default();
+                e.extend(&ports);
+                e.sort_unstable();
+                e.dedup();
+            }
+            for n in self.store.nodes_of_group(&g.id)? {
+                if n.registered {
+                    p.endpoints
+                        .entry(n.az.clone())
+                        .or_default()
+                        .push(n.private_ip.clone());
+                }
+            }
+        }
+        Ok(p)
+    }
+
+    async fn publish(&self, distributor_id: &str) -> Result<()> {
+        let Some(row) = self.store.distributor(distributor_id)? else {
+            return Err(EngineError::NotFound(format!(
+                "traffic distributor {distributor_id}"
+            )));
+        };
+        let publication = self.publication(distributor_id)?;
+        self.distributor_driver(&row.spec.cloud)?
+            .publish(distributor_id, &row.spec, &publication)
+            .await
+            .map_err(|e| EngineError::Step {
+                step: "register addresses with the distributor",
+                detail: e.to_string(),
+            })
+    }
+
+    // --- autoscale groups --------------------------------------------------------
+
+    /// Rules that need the store: the distributor exists and is on the same cloud.
+    pub fn check_group(&self, spec: &GroupSpec) -> Result<Findings> {
+        let mut f = Findings::default();
+        match self.store.distributor(&spec.traffic_distributor_id)? {
+            None => f.0.push(Finding::error(
+                vec![PathStep::Attr("traffic_distributor_id")],
+                "Unknown traffic distributor",
+                format!(
+                    "no traffic distributor has id {:?}.",
+                    spec.traffic_distributor_id
+                ),
+            )),
+            Some(d) if d.spec.cloud != spec.cloud => f.0.push(Finding::error(
+                vec![PathStep::Attr("cloud")],
+                "Cloud mismatch",
+                format!(
+                    "cloud must equal the traffic distributor's cloud ({:?}), got {:?}.",
+                    d.spec.cloud, spec.cloud
+                ),
+            )),
+            Some(_) => {}
+        }
+        Ok(f)
+    }
+
+    fn reject(findings: Findings) -> Result<()> {
+        match findings
+            .0
+            .into_iter()
+            .find(|f| f.severity == crate::model::Severity::Error)
+        {
+            Some(f) => Err(EngineError::Invalid(f)),
+            None => Ok(()),
+        }
+    }
+
+    pub async fn create_group(&self, spec: &GroupSpec) -> Result<String> {
+        Self::reject(self.check_group(spec)?)?;
+        self.cloud(&spec.cloud)?;
+        let id = new_id("asg");
+        self.store.insert_group(&id, spec, &new_token())?;
+        self.store
+            .record_event(&id, None, "group_created", "declared by terraform apply")?;
+        self.reconcile_group(&id).await?;
+        Ok(id)
+    }
+
+    pub async fn update_group(&self, id: &str, spec: &GroupSpec) -> Result<()> {
+        Self::reject(self.check_group(spec)?)?;
+        let old = self
+            .store
+            .group(id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {id}")))?;
+        self.store.update_group(id, spec)?;
+        self.reconcile_group(id).await?;
+        if old.spec.traffic_distributor_id != spec.traffic_distributor_id {
+            self.publish(&old.spec.traffic_distributor_id).await?;
+        }
+        Ok(())
+    }
+
+    pub async fn delete_group(&self, id: &str) -> Result<()> {
+        let Some(group) = self.store.group(id)? else {
+            return Ok(());
+        };
+        let se_groups = self.store.se_groups_of_group(id)?;
+        if !se_groups.is_empty() {
+            let names: Vec<_> = se_groups.iter().map(|s| s.spec.name.as_str()).collect();
+            return Err(EngineError::InUse(format!(
+                "autoscale group {:?} still has SE group(s) {}; destroy them first",
+                group.spec.name,
+                names.join(", ")
+            )));
+        }
+        // Destroy may take the TTL plus a full drain: bound it by those, not apply_timeout.
+        let budget =
+            group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
+        let deadline = Instant::now() + budget;
+        let lease = self.lease(id, deadline).await?;
+        let nodes = self.store.nodes_of_group(id)?;
+        let out = self
+            .scale_in(&group, nodes, deadline, "group destroyed")
+            .await;
+        let _ = self.store.release_lease(&lease);
+        out?;
+        self.store.delete_group(id)?;
+        self.store.release_addresses(id)?;
+        Ok(())
+    }
+
+    pub fn group_view(&self, id: &str) -> Result<Option<GroupView>> {
+        let Some(row) = self.store.group(id)? else {
+            return Ok(None);
+        };
+        let cloud = self.cloud(&row.spec.cloud)?;
+        let nodes = self
+            .store
+            .nodes_of_group(id)?
+            .into_iter()
+            .map(|n| {
+                let alive = cloud.is_alive(&n);
+                let state = if n.state.is_member() && n.state != NodeState::Provisioning && !alive {
+                    NodeState::Failed
+                } else {
+                    n.state
+                };
+                NodeView {
+                    serving: alive && n.registered && state == NodeState::Active,
+                    id: n.id,
+                    availability_zone: n.az,
+                    private_ip: n.private_ip,
+                    public_ip: n.public_ip,
+                    state: state.as_str().to_string(),
+                }
+            })
+            .collect();
+        Ok(Some(GroupView {
+            id: row.id,
+            spec: row.spec,
+            nodes,
+        }))
+    }
+
+    fn ttl_of(&self, spec: &GroupSpec) -> Result<Duration> {
+        let d = self.store.distributor(&spec.traffic_distributor_id)?;
+        Ok(match d {
+            Some(d) if d.spec.mode == "dns" => {
+                parse_duration(&d.spec.ttl).unwrap_or(Duration::from_secs(60))
+            }
+            _ => Duration::ZERO,
+        })
+    }
+
+    /// Takes the group's lease, waiting for another holder (the daemon) to let go
+    /// until `deadline`.
+    async fn lease(&self, group_id: &str, deadline: Instant) -> Result<crate::store::Lease> {
+        let ttl = deadline.saturating_duration_since(Instant::now()) + LEASE_SLACK;
+        loop {
+            match self.store.acquire_lease(group_id, &self.holder, ttl) {
+                Ok(l) => return Ok(l),
+                Err(StoreError::LeaseHeld { holder, .. }) if Instant::now() < deadline => {
+                    tracing::info!(group_id, holder, "waiting for the group's lease");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(StoreError::LeaseHeld { holder, .. }) => {
+                    return Err(EngineError::Timeout {
+                        step: "take the group's lease",
+                        after_s: 0,
+                        detail: format!("{holder} still holds group {group_id}"),
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Brings the group to its declared shape, bounded by `apply_timeout`:
+    /// failed nodes replaced, every AZ between `min_nodes` and `max_nodes`, every
+    /// node running the group's vservers, every active node registered with the
+    /// distributor, removed AZs and extra nodes drained and removed. A count that
+    /// the daemon set inside the bounds is left as it is.
+    pub async fn reconcile_group(&self, id: &str) -> Result<()> {
+        let group = self
+            .store
+            .group(id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {id}")))?;
+        let started = Instant::now();
+        let deadline = started + group.spec.apply_timeout();
+        let lease = self.lease(id, deadline).await?;
+        let out = self.reconcile_locked(&group, deadline).await;
+        let _ = self.store.release_lease(&lease);
+        out.map_err(|e| match e {
+            EngineError::Timeout { step, detail, .. } => EngineError::Timeout {
+                step,
+                after_s: started.elapsed().as_secs(),
+                detail,
+            },
+            other => other,
+        })
+    }
+
+    async fn reconcile_locked(&self, group: &Row<GroupSpec>, deadline: Instant) -> Result<()> {
+        let (id, spec) = (&group.id, &group.spec);
+        let cloud = self.cloud(&spec.cloud)?;
+        let token = self
+            .store
+            .group_token(id)?
+            .ok_or_else(|| EngineError::NotFound(format!("token of group {id}")))?;
+
+        // 1. Observe: a member whose process is gone has failed; clean it up.
+        let mut registration_changed = false;
+        for mut n in self.store.nodes_of_group(id)? {
+            let dead = !cloud.is_alive(&n);
+            if n.state == NodeState::Failed || (n.state.is_member() && dead) {
+                registration_changed |= n.registered;
+                n.state = NodeState::Failed;
+                n.registered = false;
+                self.store.update_node(&n)?;
+                self.store.record_event(
+                    id,
+                    Some(&n.az),
+                    "node_failed",
+                    &format!("node {} is not running", n.id),
+                )?;
+                cloud.deprovision(&n).await?;
+                self.store.delete_node(&n.id)?;
+                self.store.record_event(
+                    id,
+                    Some(&n.az),
+                    "node_removed",
+                    &format!("failed node {} removed", n.id),
+                )?;
+            }
+        }
+        if registration_changed {
+            self.publish(&spec.traffic_distributor_id).await?;
+        }
+        // (Registrations made in step 4 are published at its end.)
+
+        // 2. Decide who leaves: AZs no longer declared, nodes over max_nodes (the
+        //    newest first), and nodes an earlier run had started to remove.
+        let nodes = self.store.nodes_of_group(id)?;
+        let mut leaving: Vec<NodeRow> = nodes
+            .iter()
+            .filter(|n| !n.state.is_member())
+            .cloned()
+            .collect();
+        for n in &nodes {
+            if n.state.is_member() && !spec.availability_zones.contains(&n.az) {
+                leaving.push(n.clone());
+            }
+        }
+        for az in &spec.availability_zones {
+            let members: Vec<&NodeRow> = nodes
+                .iter()
+                .filter(|n| n.state.is_member() && &n.az == az)
+                .collect();
+            let extra = members.len().saturating_sub(spec.max_nodes as usize);
+            // `members` is in creation order: the newest are last.
+            leaving.extend(members.iter().rev().take(extra).map(|n| (*n).clone()));
+        }
+
+        // 3. Provision up to min_nodes in every AZ.
+        for az in &spec.availability_zones {
+            let have = nodes
+                .iter()
+                .filter(|n| {
+                    n.state.is_member() && &n.az == az && !leaving.iter().any(|l| l.id == n.id)
+                })
+                .count() as i64;
+            for _ in have..spec.min_nodes {
+                self.provision(group, az, &token, deadline).await?;
+            }
+        }
+
+        // 4. Configure every staying node with the group's vservers; a node that
+        //    runs the current configuration is active.
+        let version = self.store.config_version(id)?;
+        let config = self.node_config(id, version)?;
+        for mut n in self.store.nodes_of_group(id)? {
+            if !n.state.is_member() || leaving.iter().any(|l| l.id == n.id) {
+                continue;
+            }
+            let applied = n
+                .handle
+                .get("config_version")
+                .and_then(|v| v.as_u64())
+                .unwrap_or(0);
+            if applied != version || n.state != NodeState::Active {
+                self.configure(cloud, &n, &token, config.clone(), deadline)
+                    .await?;
+                n.handle["config_version"] = version.into();
+                if n.state != NodeState::Active {
+                    n.state = NodeState::Active;
+                    self.store.record_event(
+                        id,
+                        Some(&n.az),
+                        "node_active",
+                        &format!(
+                            "node {} serves the group's vservers (configuration {version})",
+                            n.id
+                        ),
+                    )?;
+                }
+                self.store.update_node(&n)?;
+            }
+            if !n.registered {
+                n.registered = true;
+                self.store.update_node(&n)?;
+                self.store.record_event(
+                    id,
+                    Some(&n.az),
+                    "node_registered",
+                    &format!(
+                        "node {} ({}) added to the traffic distributor",
+                        n.id, n.private_ip
+                    ),
+                )?;
+            }
+        }
+        // Ports may have changed even when no node did (a vserver was added).
+        self.publish(&spec.traffic_distributor_id).await?;
+
+        // 5. Remove the nodes that leave: out of the distributor, TTL, drain, gone.
+        if !leaving.is_empty() {
+            self.scale_in(
+                group,
+                leaving,
+                deadline,
+                "over max_nodes or in a removed availability zone",
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn provision(
+        &self,
+        group: &Row<GroupSpec>,
+        az: &str,
+        token: &str,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (id, spec) = (&group.id, &group.spec);
+        let cloud = self.cloud(&spec.cloud)?;
+        let seq = self.store.next_node_seq(id)?;
+        let node_id = format!("{}-{}-{}-{:04x}", spec.name, az, seq, rand::random::<u16>());
+        // The row exists before the side effect, so that a crash never forgets a node.
+        let mut row = NodeRow {
+            id: node_id.clone(),
+            group_id: id.clone(),
+            az: az.to_string(),
+            seq,
+            state: NodeState::Provisioning,
+            private_ip: String::new(),
+            public_ip: None,
+            registered: false,
+            handle: serde_json::json!({}),
+            created_at: now_ms(),
+        };
+        self.store.insert_node(&row)?;
+        self.store.record_event(
+            id,
+            Some(az),
+            "node_provisioning",
+            &format!("node {node_id}: below min_nodes ({})", spec.min_nodes),
+        )?;
+        let req = ProvisionRequest {
+            node_id: node_id.clone(),
+            group_id: id.clone(),
+            az: az.to_string(),
+            memory_limit_mb: spec.memory_limit_mb(),
+            token: token.to_string(),
+        };
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let p = match tokio::time::timeout(remaining, cloud.provision(&req)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                self.store.delete_node(&node_id)?;
+                return Err(EngineError::Step {
+                    step: "provision node",
+                    detail: e.to_string(),
+                });
+            }
+            Err(_) => {
+                return Err(EngineError::Timeout {
+                    step: "provision node",
+                    after_s: 0,
+                    detail: format!("node {node_id} in {az} was not up"),
+                })
+            }
+        };
+        row.private_ip = p.private_ip;
+        row.public_ip = p.public_ip;
+        row.handle = p.handle;
+        row.state = NodeState::Joining;
+        self.store.update_node(&row)?;
+        self.store.record_event(
+            id,
+            Some(az),
+            "node_joining",
+            &format!("node {node_id} is up at {}", row.private_ip),
+        )?;
+        Ok(())
+    }
+
+    async fn configure(
+        &self,
+        cloud: &dyn Cloud,
+        n: &NodeRow,
+        token: &str,
+        config: lbscale_proto::NodeConfig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let port = cloud.api_port(n);
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            let attempt = async {
+                let mut c = NodeClient::connect(&n.private_ip, port, token).await?;
+                c.configure(config.clone()).await
+            };
+            match attempt.await {
+                Ok(_) => return Ok(()),
+                // A refusal (a port in use, say) will not fix itself: report it now.
+                Err(e @ crate::nodeapi::NodeApiError::Refused { .. }) => {
+                    return Err(EngineError::Step {
+                        step: "push the vservers to the node",
+                        detail: format!("node {}: {e}", n.id),
+                    })
+                }
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(EngineError::Timeout {
+            step: "wait for the node to be active",
+            after_s: 0,
+            detail: format!("node {} did not take its configuration: {last}", n.id),
+        })
+    }
+
+    /// Removes `nodes` from the group: deregister, wait one TTL (dns), drain (ends
+    /// early when the node has no connections left; at most drain_timeout), then
+    /// deprovision and forget.
+    async fn scale_in(
+        &self,
+        group: &Row<GroupSpec>,
+        nodes: Vec<NodeRow>,
+        deadline: Instant,
+        reason: &str,
+    ) -> Result<()> {
+        if nodes.is_empty() {
+            self.publish(&group.spec.traffic_distributor_id).await?;
+            return Ok(());
+        }
+        let (id, spec) = (&group.id, &group.spec);
+        let cloud = self.cloud(&spec.cloud)?;
+        let token = self.store.group_token(id)?.unwrap_or_default();
+        let mut nodes = nodes;
+        for n in nodes.iter_mut() {
+            if n.state.is_member() {
+                self.store.record_event(
+                    id,
+                    Some(&n.az),
+                    "scale_in",
+                    &format!("node {}: {reason}", n.id),
+                )?;
+            }
+            n.registered = false;
+            if n.state != NodeState::Deprovisioning {
+                n.state = NodeState::Draining;
+            }
+            self.store.update_node(n)?;
+        }
+        self.publish(&spec.traffic_distributor_id).await?;
+
+        let ttl = self.ttl_of(spec)?;
+        if !ttl.is_zero() && nodes.iter().any(|n| n.state == NodeState::Draining) {
+            let until = (Instant::now() + ttl).min(deadline);
+            tokio::time::sleep_until(until.into()).await;
+            if Instant::now() >= deadline {
+                return Err(EngineError::Timeout {
+                    step: "wait one DNS TTL",
+                    after_s: 0,
+                    detail: format!("TTL {}s", ttl.as_secs()),
+                });
+            }
+            self.store.record_event(
+                id,
+                None,
+                "ttl_end",
+                &format!("waited one DNS TTL ({}s)", ttl.as_secs()),
+            )?;
+        }
+
+        let drain_until = (Instant::now() + spec.drain_timeout()).min(deadline);
+        for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
+            let port = cloud.api_port(n);
+            if cloud.is_alive(n) {
+                if let Ok(mut c) = NodeClient::connect(&n.private_ip, port, &token).await {
+                    let left = drain_until.saturating_duration_since(Instant::now());
+                    let _ = c.drain(left).await;
+                    loop {
+                        let conns = c.stats().await.map(|s| s.active_connections).unwrap_or(0);
+                        if conns == 0 {
+                            break;
+                        }
+                        if Instant::now() >= drain_until {
+                            if drain_until >= deadline && Instant::now() >= deadline {
+                                return Err(EngineError::Timeout {
+                                    step: "drain the node",
+                                    after_s: 0,
+                                    detail: format!(
+                                        "node {} still had {conns} connection(s)",
+                                        n.id
+                                    ),
+                                });
+                            }
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "drain_end",
+                &format!("node {} drained", n.id),
+            )?;
+            n.state = NodeState::Deprovisioning;
+            self.store.update_node(n)?;
+        }
+
+        for n in &nodes {
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "deprovision_start",
+                &format!("node {}", n.id),
+            )?;
+            cloud.deprovision(n).await?;
+            self.store.delete_node(&n.id)?;
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "node_removed",
+                &format!("node {} removed", n.id),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The full configuration the group's nodes run: every vserver placed on it.
+    fn node_config(&self, group_id: &str, version: u64) -> Result<lbscale_proto::NodeConfig> {
+        use lbscale_proto::{LbMethod, Service, ServiceType, Vserver};
+        let vservers = self
+            .store
+            .vservers_of_group(group_id)?
+            .into_iter()
+            .map(|v| {
+                let s = v.spec;
+                Vserver {
+                    name: s.name,
+                    service_type: match s.service_type.as_str() {
+                        "HTTP" => ServiceType::Http,
+                        "TCP" => ServiceType::Tcp,
+                        _ => ServiceType::Udp,
+                    } as i32,
+                    port: s.port as u32,
+                    lb_method: LbMethod::from_str_name(&s.lb_method)
+                        .unwrap_or(LbMethod::Leastconnection) as i32,
+                    persistence: s.persistence,
+                    services: s
+                        .services
+                        .into_iter()
+                        .map(|svc| Service {
+                            name: svc.name,
+                            address: svc.address,
+                            port: svc.port as u32,
+                            weight: svc.weight as u32,
+                            enabled: svc.enabled,
+                            cap_per_second: 0.0,
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        Ok(lbscale_proto::NodeConfig { version, vservers })
+    }
+
+    // --- SE groups ---------------------------------------------------------------
+
+    pub fn check_se_group(&self, spec: &SeGroupSpec) -> Result<Findings> {
+        let mut f = Findings::default();
+        if self.store.group(&spec.autoscale_group_id)?.is_none() {
+            f.0.push(Finding::error(
+                vec![PathStep::Attr("autoscale_group_id")],
+                "Unknown autoscale group",
+                format!("no autoscale group has id {:?}.", spec.autoscale_group_id),
+            ));
+        }
+        Ok(f)
+    }
+
+    pub async fn create_se_group(&self, spec: &SeGroupSpec) -> Result<String> {
+        Self::reject(self.check_se_group(spec)?)?;
+        let id = new_id("seg");
+        self.store.insert_se_group(&id, spec)?;
+        Ok(id)
+    }
+
+    pub async fn update_se_group(&self, id: &str, spec: &SeGroupSpec) -> Result<()> {
+        Self::reject(self.check_se_group(spec)?)?;
+        let old = self
+            .store
+            .se_group(id)?
+            .ok_or_else(|| EngineError::NotFound(format!("SE group {id}")))?;
+        self.store.update_se_group(id, spec)?;
+        if old.spec.autoscale_group_id != spec.autoscale_group_id {
+            // Its vservers move with it.
+            for g in [&old.spec.autoscale_group_id, &spec.autoscale_group_id] {
+                if self.store.group(g)?.is_some() {
+                    self.store.bump_config_version(g)?;
+                    self.reconcile_group(g).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn delete_se_group(&self, id: &str) -> Result<()> {
+        let Some(row) = self.store.se_group(id)? else {
+            return Ok(());
+        };
+        let vs = self.store.vservers_of_se_group(id)?;
+        if !vs.is_empty() {
+            let names: Vec<_> = vs.iter().map(|v| v.spec.name.as_str()).collect();
+            return Err(EngineError::InUse(format!(
+                "SE group {:?} still has vserver(s) {}; destroy them first",
+                row.spec.name,
+                names.join(", ")
+            )));
+        }
+        self.store.delete_se_group(id)?;
+        Ok(())
+    }
+
+    // --- vservers ----------------------------------------------------------------
+
+    /// Rules that need the store: the SE group exists; UDP needs a dns distributor;
+    /// SOURCEIP persistence across AZs is a warning.
+    pub fn check_vserver(&self, spec: &VserverSpec) -> Result<Findings> {
+        let mut f = Findings::default();
+        let Some(se) = self.store.se_group(&spec.se_group_id)? else {
+            f.0.push(Finding::error(
+                vec![PathStep::Attr("se_group_id")],
+                "Unknown SE group",
+                format!("no SE group has id {:?}.", spec.se_group_id),
+            ));
+            return Ok(f);
+        };
+        if let Some(g) = self.store.group(&se.spec.autoscale_group_id)? {
+            if let Some(d) = self.store.distributor(&g.spec.traffic_distributor_id)? {
+                check_vserver_placement(
+                    &mut f,
+                    &spec.service_type,
+                    &spec.persistence,
+                    &d.spec.mode,
+                    g.spec.availability_zones.len(),
+                );
+            }
+        }
+        Ok(f)
+    }
+
+    fn group_of_se_group(&self, se_group_id: &str) -> Result<Option<String>> {
+        Ok(self
+            .store
+            .se_group(se_group_id)?
+            .map(|s| s.spec.autoscale_group_id))
+    }
+
+    async fn redeploy(&self, group_id: Option<String>) -> Result<()> {
+        if let Some(g) = group_id {
+            if self.store.group(&g)?.is_some() {
+                self.store.bump_config_version(&g)?;
+                self.reconcile_group(&g).await?;
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn create_vserver(&self, spec: &VserverSpec) -> Result<String> {
+        Self::reject(self.check_vserver(spec)?)?;
+        let id = new_id("vs");
+        self.store.insert_vserver(&id, spec)?;
+        if let Err(e) = self
+            .redeploy(self.group_of_se_group(&spec.se_group_id)?)
+            .await
+        {
+            // Not deployed: take the row back so that the store says what runs.
+            self.store.delete_vserver(&id)?;
+            let _ = self
+                .redeploy(self.group_of_se_group(&spec.se_group_id)?)
+                .await;
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    pub async fn update_vserver(&self, id: &str, spec: &VserverSpec) -> Result<()> {
+        Self::reject(self.check_vserver(spec)?)?;
+        let old = self
+            .store
+            .vserver(id)?
+            .ok_or_else(|| EngineError::NotFound(format!("vserver {id}")))?;
+        self.store.update_vserver(id, spec)?;
+        let old_group = self.group_of_se_group(&old.spec.se_group_id)?;
+        let new_group = self.group_of_se_group(&spec.se_group_id)?;
+        if old_group != new_group {
+            self.redeploy(old_group).await?;
+        }
+        self.redeploy(new_group).await
+    }
+
+    pub async fn delete_vserver(&self, id: &str) -> Result<()> {
+        let Some(row) = self.store.vserver(id)? else {
+            return Ok(());
+        };
+        self.store.delete_vserver(id)?;
+        self.redeploy(self.group_of_se_group(&row.spec.se_group_id)?)
+            .await
+    }
+
+    /// Where clients reach the vserver in each AZ: the AZ's VIP (`nlb`) or the
+    /// application's domain (`dns`), with the vserver's port.
+    pub fn vserver_vips(&self, spec: &VserverSpec) -> Result<BTreeMap<String, String>> {
+        let mut out = BTreeMap::new();
+        let Some(se) = self.store.se_group(&spec.se_group_id)? else {
+            return Ok(out);
+        };
+        let Some(g) = self.store.group(&se.spec.autoscale_group_id)? else {
+            return Ok(out);
+        };
+        let Some(d) = self.distributor_view(&g.spec.traffic_distributor_id)? else {
+            return Ok(out);
+        };
+        for az in &g.spec.availability_zones {
+            let host = if d.spec.mode == "dns" {
+                d.spec.domain.clone().unwrap_or_default()
+            } else {
+                match d.address.get(az) {
+                    Some(v) => v.clone(),
+                    None => continue,
+                }
+            };
+            out.insert(az.clone(), format!("{host}:{}", spec.port));
+        }
+        Ok(out)
+    }
+
+    pub fn events(&self, group_id: &str, limit: usize) -> Result<Vec<crate::store::Event>> {
+        Ok(self.store.events_of_group(group_id, limit)?)
+    }
+}
