@@ -1,1 +1,286 @@
-fn main() {}
+//! lbscale-node: the data-plane node of lbscale's `local` cloud, and the local
+//! cloud's DNS and L4 (nlb) traffic distributors.
+
+mod api;
+mod dns;
+mod http;
+mod lb;
+mod metrics;
+mod nlb;
+mod node;
+mod tcp;
+mod udp;
+mod watch;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context};
+
+const USAGE: &str = "\
+usage:
+  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --memory-limit-mb N
+  lbscale-node dns --listen IP:PORT --config FILE --status FILE
+  lbscale-node nlb --config FILE --status FILE
+  lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT [--service HOST:PORT ...]
+";
+
+struct Args {
+    opts: HashMap<String, Vec<String>>,
+}
+
+impl Args {
+    fn parse(args: &[String], allowed: &[&str]) -> anyhow::Result<Args> {
+        let mut opts: HashMap<String, Vec<String>> = HashMap::new();
+        let mut i = 0;
+        while i < args.len() {
+            let a = &args[i];
+            let Some(key) = a.strip_prefix("--") else {
+                bail!("unexpected argument {a:?}")
+            };
+            let (key, value) = match key.split_once('=') {
+                Some((k, v)) => (k.to_string(), v.to_string()),
+                None => {
+                    i += 1;
+                    let v = args
+                        .get(i)
+                        .ok_or_else(|| anyhow!("--{key} needs a value"))?;
+                    (key.to_string(), v.clone())
+                }
+            };
+            if !allowed.contains(&key.as_str()) {
+                bail!("unknown option --{key}");
+            }
+            opts.entry(key).or_default().push(value);
+            i += 1;
+        }
+        Ok(Args { opts })
+    }
+
+    fn get(&self, key: &str) -> anyhow::Result<&str> {
+        self.opts
+            .get(key)
+            .and_then(|v| v.last())
+            .map(|s| s.as_str())
+            .ok_or_else(|| anyhow!("missing --{key}"))
+    }
+
+    fn all(&self, key: &str) -> Vec<String> {
+        self.opts.get(key).cloned().unwrap_or_default()
+    }
+}
+
+/// Tells the launcher we are listening. A closed stdout is not fatal.
+fn announce_ready() {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "ready");
+    let _ = out.flush();
+}
+
+/// Registers SIGTERM/SIGINT handlers now (so that a signal arriving early is not
+/// fatal) and returns a future that resolves when one arrives.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: exiting"),
+            _ = int.recv() => tracing::info!("SIGINT: exiting"),
+        }
+    }
+}
+
+async fn serve(a: Args) -> anyhow::Result<()> {
+    let node_id = a.get("node-id")?.to_string();
+    let ip: IpAddr = a
+        .get("listen-ip")?
+        .parse()
+        .context("--listen-ip must be an IP address")?;
+    let api_port: u16 = a
+        .get("api-port")?
+        .parse()
+        .context("--api-port must be a port number")?;
+    let token_file = PathBuf::from(a.get("token-file")?);
+    let memory_limit_mb: u64 = a
+        .get("memory-limit-mb")?
+        .parse()
+        .context("--memory-limit-mb must be a number")?;
+    let token = std::fs::read_to_string(&token_file)
+        .with_context(|| format!("cannot read token file {}", token_file.display()))?
+        .trim()
+        .to_string();
+    if token.is_empty() {
+        bail!("token file {} is empty", token_file.display());
+    }
+    let node = node::Node::new(node_id.clone(), ip, memory_limit_mb);
+    let addr = SocketAddr::new(ip, api_port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
+        .map_err(|e| anyhow!("api listener: {e}"))?;
+    let svc = lbscale_proto::node_api_server::NodeApiServer::with_interceptor(
+        api::Api { node: node.clone() },
+        api::interceptor(token),
+    );
+    tracing::info!(node_id = %node_id, api = %addr, "node API listening");
+    let stop = shutdown_signal();
+    announce_ready();
+    tokio::select! {
+        r = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming) => {
+            r.map_err(|e| anyhow!("api server: {e}"))?;
+        }
+        _ = stop => {}
+    }
+    Ok(())
+}
+
+async fn standalone(a: Args) -> anyhow::Result<()> {
+    use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, Vserver};
+    let listen: SocketAddr = a
+        .get("listen")?
+        .parse()
+        .context("--listen must be IP:PORT")?;
+    let mode = match a.get("mode")?.to_ascii_lowercase().as_str() {
+        "http" => ServiceType::Http,
+        "tcp" => ServiceType::Tcp,
+        "udp" => ServiceType::Udp,
+        m => bail!("--mode must be http, tcp or udp, not {m:?}"),
+    };
+    let method = a
+        .get("lb-method")
+        .unwrap_or("ROUNDROBIN")
+        .to_ascii_uppercase();
+    let method =
+        LbMethod::from_str_name(&method).ok_or_else(|| anyhow!("unknown --lb-method {method}"))?;
+    let mut services = Vec::new();
+    for s in a.all("service") {
+        let (host, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| anyhow!("--service {s:?} must be HOST:PORT"))?;
+        services.push(Service {
+            name: s.clone(),
+            address: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port: port
+                .parse()
+                .with_context(|| format!("--service {s:?}: bad port"))?,
+            weight: 1,
+            enabled: true,
+            cap_per_second: 0.0,
+        });
+    }
+    if services.is_empty() {
+        bail!("at least one --service HOST:PORT is needed");
+    }
+    let stop = shutdown_signal();
+    let node = node::Node::new("standalone".into(), listen.ip(), 0);
+    node.configure(NodeConfig {
+        version: 1,
+        vservers: vec![Vserver {
+            name: "standalone".into(),
+            service_type: mode as i32,
+            port: listen.port() as u32,
+            lb_method: method as i32,
+            persistence: "NONE".into(),
+            services,
+        }],
+    })
+    .await
+    .map_err(|e| anyhow!("{}", e.message()))?;
+    let _keep: Arc<node::Node> = node;
+    tracing::info!(%listen, "standalone vserver listening");
+    announce_ready();
+    stop.await;
+    Ok(())
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let argv: Vec<String> = std::env::args().collect();
+    let Some(cmd) = argv.get(1).map(|s| s.as_str()) else {
+        eprint!("{USAGE}");
+        std::process::exit(2);
+    };
+    if matches!(cmd, "-h" | "--help" | "help") {
+        print!("{USAGE}");
+        return;
+    }
+    let rest = &argv[2..];
+    let parsed = match cmd {
+        "serve" => Args::parse(
+            rest,
+            &[
+                "node-id",
+                "listen-ip",
+                "api-port",
+                "token-file",
+                "memory-limit-mb",
+            ],
+        ),
+        "dns" => Args::parse(rest, &["listen", "config", "status"]),
+        "nlb" => Args::parse(rest, &["config", "status"]),
+        "standalone" => Args::parse(rest, &["listen", "mode", "lb-method", "service"]),
+        _ => Err(anyhow!("unknown command {cmd:?}")),
+    };
+    let a = match parsed {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("lbscale-node: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let cmd = cmd.to_string();
+    let r: anyhow::Result<()> = rt.block_on(async move {
+        let stop = shutdown_signal();
+        match cmd.as_str() {
+            "serve" => serve(a).await,
+            "standalone" => standalone(a).await,
+            "dns" => {
+                let listen: SocketAddr = a
+                    .get("listen")?
+                    .parse()
+                    .context("--listen must be IP:PORT")?;
+                let config = PathBuf::from(a.get("config")?);
+                let status = PathBuf::from(a.get("status")?);
+                tokio::select! {
+                    r = dns::run(listen, config, status) => r,
+                    _ = stop => Ok(()),
+                }
+            }
+            "nlb" => {
+                let config = PathBuf::from(a.get("config")?);
+                let status = PathBuf::from(a.get("status")?);
+                tokio::select! {
+                    _ = nlb::run(config, status) => Ok(()),
+                    _ = stop => Ok(()),
+                }
+            }
+            _ => unreachable!("checked above"),
+        }
+    });
+    match r {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            tracing::error!("{e:#}");
+            std::process::exit(1);
+        }
+    }
+}

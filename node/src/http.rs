@@ -1,0 +1,353 @@
+//! L7 HTTP/1.1 reverse proxy: hyper server towards clients (keep-alive), pooled
+//! hyper client connections towards each service.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode, Version};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+
+use crate::lb::ServiceRt;
+use crate::metrics::{add_bytes, ConnGuard};
+use crate::node::Vserver;
+
+const MAX_IDLE_PER_SERVICE: usize = 512;
+
+/// Request body forwarded upstream, counting bytes.
+pub struct UpBody {
+    inner: Incoming,
+}
+
+impl Body for UpBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(f))) = &r {
+            if let Some(d) = f.data_ref() {
+                add_bytes(d.len());
+            }
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Tracks one proxied request until its response body is finished: in-flight
+/// count, response time, and returns the upstream connection to the pool.
+pub struct RespGuard {
+    rt: Arc<ServiceRt>,
+    sender: Option<SendRequest<UpBody>>,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for RespGuard {
+    fn drop(&mut self) {
+        self.rt.active.fetch_sub(1, Ordering::Relaxed);
+        let us = self.start.elapsed().as_micros() as u64;
+        self.rt.resp_us_total.fetch_add(us, Ordering::Relaxed);
+        self.rt.resp_count.fetch_add(1, Ordering::Relaxed);
+        if self.done {
+            if let Some(s) = self.sender.take() {
+                if !s.is_closed() {
+                    if let Ok(mut pool) = self.rt.pool.lock() {
+                        if pool.len() < MAX_IDLE_PER_SERVICE {
+                            pool.push(s);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub enum RespBody {
+    Full(Option<Bytes>),
+    Proxied { body: Incoming, guard: RespGuard },
+}
+
+impl Body for RespBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            RespBody::Proxied { body, guard } => {
+                let r = Pin::new(body).poll_frame(cx);
+                match &r {
+                    Poll::Ready(Some(Ok(f))) => {
+                        if let Some(d) = f.data_ref() {
+                            add_bytes(d.len());
+                        }
+                    }
+                    Poll::Ready(None) => guard.done = true,
+                    _ => {}
+                }
+                r
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RespBody::Full(b) => b.is_none(),
+            RespBody::Proxied { body, .. } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RespBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            RespBody::Full(None) => SizeHint::with_exact(0),
+            RespBody::Proxied { body, .. } => body.size_hint(),
+        }
+    }
+}
+
+impl Drop for RespBody {
+    fn drop(&mut self) {
+        if let RespBody::Proxied { body, guard } = self {
+            if body.is_end_stream() {
+                guard.done = true;
+            }
+        }
+    }
+}
+
+static X_LBSCALE_NODE: HeaderName = HeaderName::from_static("x-lbscale-node");
+static X_LBSCALE_SERVICE: HeaderName = HeaderName::from_static("x-lbscale-service");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+fn simple(vs: &Vserver, status: StatusCode, msg: &'static str) -> Response<RespBody> {
+    let mut r = Response::new(RespBody::Full(Some(Bytes::from_static(msg.as_bytes()))));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    h.insert(X_LBSCALE_NODE.clone(), vs.node_hv.clone());
+    r
+}
+
+/// Approximate wire size of a header block (name: value\r\n each).
+#[inline]
+fn head_len(h: &HeaderMap) -> usize {
+    h.iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + 2
+}
+
+/// Removes hop-by-hop headers (RFC 9110 §7.6.1), including those named by Connection.
+fn strip_hop(h: &mut HeaderMap) {
+    if let Some(c) = h.get(header::CONNECTION) {
+        if let Ok(s) = c.to_str() {
+            let named: Vec<String> = s
+                .split(',')
+                .map(|t| t.trim().to_ascii_lowercase())
+                .filter(|t| !t.is_empty())
+                .collect();
+            for n in named {
+                if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
+                    h.remove(n);
+                }
+            }
+        }
+        h.remove(header::CONNECTION);
+    }
+    h.remove(&KEEP_ALIVE);
+    h.remove(&PROXY_CONNECTION);
+    h.remove(header::TE);
+    h.remove(header::TRAILER);
+    h.remove(header::TRANSFER_ENCODING);
+    h.remove(header::UPGRADE);
+}
+
+enum SendErr {
+    /// Could not connect: the request is handed back for another service.
+    Connect(Box<Request<UpBody>>),
+    Other,
+}
+
+fn pop_idle(rt: &ServiceRt) -> Option<SendRequest<UpBody>> {
+    let mut pool = rt.pool.lock().ok()?;
+    while let Some(s) = pool.pop() {
+        if !s.is_closed() {
+            return Some(s);
+        }
+    }
+    None
+}
+
+async fn send(
+    rt: &ServiceRt,
+    mut req: Request<UpBody>,
+) -> Result<(Response<Incoming>, SendRequest<UpBody>), SendErr> {
+    while let Some(mut s) = pop_idle(rt) {
+        if !s.is_ready() {
+            match tokio::time::timeout(Duration::from_secs(1), s.ready()).await {
+                Ok(Ok(())) => {}
+                _ => continue,
+            }
+        }
+        match s.try_send_request(req).await {
+            Ok(resp) => return Ok((resp, s)),
+            Err(mut e) => match e.take_message() {
+                Some(r) => req = r, // connection went away before sending: next one
+                None => {
+                    tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
+                    return Err(SendErr::Other);
+                }
+            },
+        }
+    }
+    let stream = match rt.connect().await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(service = %rt.name, error = %e, "upstream connect failed");
+            return Err(SendErr::Connect(Box::new(req)));
+        }
+    };
+    let (mut s, conn) = match hyper::client::conn::http1::Builder::new()
+        .handshake(TokioIo::new(stream))
+        .await
+    {
+        Ok(x) => x,
+        Err(_) => return Err(SendErr::Connect(Box::new(req))),
+    };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    match s.try_send_request(req).await {
+        Ok(resp) => Ok((resp, s)),
+        Err(e) => {
+            tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
+            Err(SendErr::Other)
+        }
+    }
+}
+
+async fn proxy(req: Request<Incoming>, vs: Arc<Vserver>, xff: HeaderValue) -> Response<RespBody> {
+    let st = vs.state();
+    let Some(mut idx) = st.pick(None) else {
+        return simple(
+            &vs,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no service available\n",
+        );
+    };
+    let (mut parts, body) = req.into_parts();
+    // Throughput counts the request and response heads (estimated) as well as bodies.
+    add_bytes(head_len(&parts.headers) + parts.uri.path().len() + 16);
+    strip_hop(&mut parts.headers);
+    parts.headers.append(X_FORWARDED_FOR.clone(), xff);
+    if parts.uri.authority().is_some() {
+        if let Some(pq) = parts.uri.path_and_query() {
+            if let Ok(u) = pq.as_str().parse() {
+                parts.uri = u;
+            }
+        }
+    }
+    parts.version = Version::HTTP_11;
+    let mut req = Request::from_parts(parts, UpBody { inner: body });
+    let mut retried = false;
+    loop {
+        let rt = st.services[idx].rt.clone();
+        rt.active.fetch_add(1, Ordering::Relaxed);
+        let start = Instant::now();
+        match send(&rt, req).await {
+            Ok((resp, sender)) => {
+                let (mut parts, body) = resp.into_parts();
+                add_bytes(head_len(&parts.headers) + 17);
+                strip_hop(&mut parts.headers);
+                parts
+                    .headers
+                    .insert(X_LBSCALE_NODE.clone(), vs.node_hv.clone());
+                parts
+                    .headers
+                    .insert(X_LBSCALE_SERVICE.clone(), rt.name_hv.clone());
+                let guard = RespGuard {
+                    rt,
+                    sender: Some(sender),
+                    start,
+                    done: false,
+                };
+                return Response::from_parts(parts, RespBody::Proxied { body, guard });
+            }
+            Err(SendErr::Connect(r)) => {
+                rt.active.fetch_sub(1, Ordering::Relaxed);
+                if !retried {
+                    retried = true;
+                    if let Some(j) = st.pick(Some(idx)) {
+                        idx = j;
+                        req = *r;
+                        continue;
+                    }
+                }
+                return simple(&vs, StatusCode::BAD_GATEWAY, "bad gateway\n");
+            }
+            Err(SendErr::Other) => {
+                rt.active.fetch_sub(1, Ordering::Relaxed);
+                return simple(&vs, StatusCode::BAD_GATEWAY, "bad gateway\n");
+            }
+        }
+    }
+}
+
+/// Serves one client connection until it closes, the vserver closes (graceful:
+/// in-flight requests finish, idle keep-alive closes) or the node is killed.
+pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, vs: Arc<Vserver>) {
+    let _g = ConnGuard::new();
+    let _ = stream.set_nodelay(true);
+    let xff = HeaderValue::from_str(&peer.ip().to_string())
+        .unwrap_or(HeaderValue::from_static("unknown"));
+    let vs2 = vs.clone();
+    let svc = hyper::service::service_fn(move |req| {
+        let vs = vs2.clone();
+        let xff = xff.clone();
+        async move { Ok::<_, Infallible>(proxy(req, vs, xff).await) }
+    });
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .keep_alive(true)
+        .header_read_timeout(Duration::from_secs(30));
+    let conn = b.serve_connection(TokioIo::new(stream), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = vs.closing.cancelled() => {}
+        _ = vs.kill.cancelled() => return,
+    }
+    conn.as_mut().graceful_shutdown();
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = vs.kill.cancelled() => {}
+    }
+}

@@ -1,0 +1,417 @@
+//! A data-plane node: its vservers (listeners), configuration diffing, drain and
+//! statistics.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use hyper::header::HeaderValue;
+use lbscale_proto::{LbMethod, NodeConfig, ServiceType};
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::lb::{Kind, Method, ServiceRt, SvcEntry, VsState};
+use crate::metrics::{self, ACTIVE_CONNS, BYTES, TOTAL_CONNS};
+
+/// One listening vserver. Its configuration snapshot is swapped in place.
+pub struct Vserver {
+    state: RwLock<Arc<VsState>>,
+    /// Cancelled when this vserver stops taking connections (removed, or drain).
+    pub closing: CancellationToken,
+    /// Cancelled when the node closes every connection (end of drain).
+    pub kill: CancellationToken,
+    pub node_hv: HeaderValue,
+}
+
+impl Vserver {
+    #[inline]
+    pub fn state(&self) -> Arc<VsState> {
+        self.state.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    fn set_state(&self, s: Arc<VsState>) {
+        *self.state.write().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Transport {
+    Tcp,
+    Udp,
+}
+
+struct Listener {
+    vs: Arc<Vserver>,
+    task: JoinHandle<()>,
+}
+
+enum Bound {
+    Tcp(TcpListener),
+    Udp(UdpSocket),
+}
+
+#[derive(Default)]
+struct Inner {
+    listeners: HashMap<(u16, Transport), Listener>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Sample {
+    cpu_percent: f64,
+    throughput_mbps: f64,
+}
+
+pub struct Node {
+    pub id: String,
+    pub ip: IpAddr,
+    node_hv: HeaderValue,
+    memory_limit_mb: u64,
+    drain: CancellationToken,
+    kill: CancellationToken,
+    draining: AtomicBool,
+    version: AtomicU64,
+    inner: tokio::sync::Mutex<Inner>,
+    sample: Mutex<Sample>,
+    started: Instant,
+}
+
+fn kind_of(t: i32) -> Option<Kind> {
+    match ServiceType::try_from(t).ok()? {
+        ServiceType::Http => Some(Kind::Http),
+        ServiceType::Tcp => Some(Kind::Tcp),
+        ServiceType::Udp => Some(Kind::Udp),
+        ServiceType::Unspecified => None,
+    }
+}
+
+/// ROUNDROBIN and unspecified → round robin; LEASTCONNECTION and every other
+/// method (LEASTRESPONSETIME, LEASTBANDWIDTH, …) → least connection for now.
+fn method_of(m: i32) -> Method {
+    match LbMethod::try_from(m) {
+        Ok(LbMethod::Roundrobin) | Ok(LbMethod::Unspecified) | Err(_) => Method::RoundRobin,
+        Ok(_) => Method::LeastConnection,
+    }
+}
+
+impl Node {
+    pub fn new(id: String, ip: IpAddr, memory_limit_mb: u64) -> Arc<Self> {
+        let node_hv = HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("node"));
+        let node = Arc::new(Node {
+            id,
+            ip,
+            node_hv,
+            memory_limit_mb,
+            drain: CancellationToken::new(),
+            kill: CancellationToken::new(),
+            draining: AtomicBool::new(false),
+            version: AtomicU64::new(0),
+            inner: tokio::sync::Mutex::new(Inner::default()),
+            sample: Mutex::new(Sample::default()),
+            started: Instant::now(),
+        });
+        metrics::start_instant();
+        tokio::spawn(sampler(Arc::downgrade(&node)));
+        node
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+
+    /// Applies a full configuration. On error nothing changes.
+    pub async fn configure(&self, cfg: NodeConfig) -> Result<u64, Status> {
+        // Validate first.
+        let mut desired: Vec<((u16, Transport), Kind, &lbscale_proto::Vserver)> = Vec::new();
+        for v in &cfg.vservers {
+            let kind = kind_of(v.service_type).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "vserver {}: service_type must be HTTP, TCP or UDP",
+                    v.name
+                ))
+            })?;
+            if v.port == 0 || v.port > 65535 {
+                return Err(Status::invalid_argument(format!(
+                    "vserver {}: port {} is not in 1..65535",
+                    v.name, v.port
+                )));
+            }
+            for s in &v.services {
+                if s.port == 0 || s.port > 65535 || s.address.is_empty() {
+                    return Err(Status::invalid_argument(format!(
+                        "vserver {}: service {} has an invalid address {}:{}",
+                        v.name, s.name, s.address, s.port
+                    )));
+                }
+                if !s.cap_per_second.is_finite() || s.cap_per_second < 0.0 {
+                    return Err(Status::invalid_argument(format!(
+                        "vserver {}: service {}: cap_per_second must be >= 0",
+                        v.name, s.name
+                    )));
+                }
+            }
+            let t = if kind == Kind::Udp {
+                Transport::Udp
+            } else {
+                Transport::Tcp
+            };
+            let key = (v.port as u16, t);
+            if let Some((_, _, other)) = desired.iter().find(|(k, _, _)| *k == key) {
+                return Err(Status::invalid_argument(format!(
+                    "vservers {} and {} both use port {}",
+                    other.name, v.name, v.port
+                )));
+            }
+            desired.push((key, kind, v));
+        }
+
+        let mut inner = self.inner.lock().await;
+        if self.draining.load(Ordering::Relaxed) {
+            // A draining node takes no new connections: record the version only.
+            self.version.store(cfg.version, Ordering::Relaxed);
+            return Ok(cfg.version);
+        }
+
+        // Bind every new listener before touching the running ones.
+        let mut bound: HashMap<(u16, Transport), Bound> = HashMap::new();
+        for (key, _, v) in &desired {
+            if inner.listeners.contains_key(key) {
+                continue;
+            }
+            let addr = SocketAddr::new(self.ip, key.0);
+            let r = match key.1 {
+                Transport::Tcp => TcpListener::bind(addr).await.map(Bound::Tcp),
+                Transport::Udp => UdpSocket::bind(addr).await.map(Bound::Udp),
+            };
+            match r {
+                Ok(b) => {
+                    bound.insert(*key, b);
+                }
+                Err(e) => {
+                    tracing::warn!(vserver = %v.name, %addr, error = %e, "bind failed; keeping the previous configuration");
+                    return Err(Status::failed_precondition(format!(
+                        "vserver {}: cannot listen on {}: {}",
+                        v.name, addr, e
+                    )));
+                }
+            }
+        }
+
+        // Close removed listeners.
+        let keep: Vec<(u16, Transport)> = desired.iter().map(|(k, _, _)| *k).collect();
+        let removed: Vec<(u16, Transport)> = inner
+            .listeners
+            .keys()
+            .filter(|k| !keep.contains(k))
+            .copied()
+            .collect();
+        for key in removed {
+            if let Some(l) = inner.listeners.remove(&key) {
+                l.vs.closing.cancel();
+                let _ = l.task.await;
+                tracing::info!(port = key.0, "vserver closed");
+            }
+        }
+
+        // Update kept ones in place, open new ones.
+        for (key, kind, v) in &desired {
+            let prev = inner.listeners.get(key).map(|l| l.vs.state());
+            let state = Arc::new(build_state(v, *kind, prev.as_deref()));
+            if let Some(l) = inner.listeners.get(key) {
+                l.vs.set_state(state);
+                continue;
+            }
+            let vs = Arc::new(Vserver {
+                state: RwLock::new(state),
+                closing: self.drain.child_token(),
+                kill: self.kill.clone(),
+                node_hv: self.node_hv.clone(),
+            });
+            let task = match bound.remove(key) {
+                Some(Bound::Tcp(l)) => tokio::spawn(accept_loop(l, vs.clone())),
+                Some(Bound::Udp(s)) => tokio::spawn(crate::udp::serve(s, vs.clone(), self.ip)),
+                None => continue,
+            };
+            tracing::info!(vserver = %v.name, addr = %SocketAddr::new(self.ip, key.0), kind = ?kind, "vserver listening");
+            inner.listeners.insert(*key, Listener { vs, task });
+        }
+        self.version.store(cfg.version, Ordering::Relaxed);
+        Ok(cfg.version)
+    }
+
+    /// Starts draining (idempotent): closes every listener, lets connections finish
+    /// until `timeout`, then closes them. Waits briefly for idle connections to go.
+    pub async fn drain(self: &Arc<Self>, timeout: Duration) -> u64 {
+        if !self.draining.swap(true, Ordering::SeqCst) {
+            tracing::info!(timeout_ms = timeout.as_millis() as u64, "draining");
+            self.drain.cancel();
+            let kill = self.kill.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(timeout).await;
+                let left = ACTIVE_CONNS.load(Ordering::Relaxed);
+                if left > 0 {
+                    tracing::info!(
+                        connections = left,
+                        "drain timeout: closing remaining connections"
+                    );
+                }
+                kill.cancel();
+            });
+        }
+        let settle = Instant::now() + timeout.min(Duration::from_millis(200));
+        while ACTIVE_CONNS.load(Ordering::Relaxed) > 0 && Instant::now() < settle {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ACTIVE_CONNS.load(Ordering::Relaxed)
+    }
+
+    pub fn state_name(&self) -> &'static str {
+        if !self.draining.load(Ordering::Relaxed) {
+            "active"
+        } else if ACTIVE_CONNS.load(Ordering::Relaxed) == 0 {
+            "drained"
+        } else {
+            "draining"
+        }
+    }
+
+    pub async fn stats(&self) -> lbscale_proto::NodeStats {
+        let sample = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
+        let memory_percent = match (metrics::process_rss_kb(), self.memory_limit_mb) {
+            (Some(kb), lim) if lim > 0 => kb as f64 / (lim as f64 * 1024.0) * 100.0,
+            _ => 0.0,
+        };
+        let mut services = Vec::new();
+        let inner = self.inner.lock().await;
+        let mut states: Vec<Arc<VsState>> =
+            inner.listeners.values().map(|l| l.vs.state()).collect();
+        drop(inner);
+        states.sort_by(|a, b| a.name.cmp(&b.name));
+        for st in states {
+            for e in &st.services {
+                let rt = &e.rt;
+                services.push(lbscale_proto::ServiceStats {
+                    vserver: st.name.clone(),
+                    service: rt.name.clone(),
+                    requests_total: rt.requests_total.load(Ordering::Relaxed),
+                    requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
+                    active_connections: rt.active.load(Ordering::Relaxed),
+                    avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
+                });
+            }
+        }
+        lbscale_proto::NodeStats {
+            node_id: self.id.clone(),
+            state: self.state_name().to_string(),
+            config_version: self.version(),
+            cpu_percent: sample.cpu_percent,
+            memory_percent,
+            throughput_mbps: sample.throughput_mbps,
+            active_connections: ACTIVE_CONNS.load(Ordering::Relaxed),
+            total_connections: TOTAL_CONNS.load(Ordering::Relaxed),
+            services,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+        }
+    }
+}
+
+/// Builds the snapshot of a vserver, keeping the runtime (counters, idle
+/// connections) of services whose name, address and port did not change.
+fn build_state(v: &lbscale_proto::Vserver, kind: Kind, prev: Option<&VsState>) -> VsState {
+    let services = v
+        .services
+        .iter()
+        .map(|s| {
+            let rt = prev
+                .and_then(|p| {
+                    p.services.iter().find(|e| {
+                        e.rt.name == s.name && e.rt.host == s.address && e.rt.port as u32 == s.port
+                    })
+                })
+                .map(|e| e.rt.clone())
+                .unwrap_or_else(|| Arc::new(ServiceRt::new(&s.name, &s.address, s.port as u16)));
+            SvcEntry {
+                rt,
+                weight: s.weight.max(1),
+                enabled: s.enabled,
+                cap: s.cap_per_second,
+            }
+        })
+        .collect();
+    VsState::new(v.name.clone(), kind, method_of(v.lb_method), services)
+}
+
+async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {
+    loop {
+        tokio::select! {
+            _ = vs.closing.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => {
+                    let vs = vs.clone();
+                    let kind = vs.state().kind;
+                    match kind {
+                        Kind::Http => { tokio::spawn(crate::http::serve_conn(stream, peer, vs)); }
+                        _ => { tokio::spawn(crate::tcp::serve_conn(stream, vs)); }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Every second: CPU of this process, throughput, per-service rates.
+async fn sampler(node: std::sync::Weak<Node>) {
+    let mut last_cpu = metrics::process_cpu_seconds().unwrap_or(0.0);
+    let mut last_bytes = BYTES.load(Ordering::Relaxed);
+    let mut last_t = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(node) = node.upgrade() else { return };
+        let dt = last_t.elapsed().as_secs_f64().max(1e-3);
+        last_t = Instant::now();
+        let cpu = metrics::process_cpu_seconds().unwrap_or(last_cpu);
+        let bytes = BYTES.load(Ordering::Relaxed);
+        let s = Sample {
+            cpu_percent: ((cpu - last_cpu) / dt * 100.0).max(0.0),
+            throughput_mbps: (bytes - last_bytes) as f64 * 8.0 / 1e6 / dt,
+        };
+        last_cpu = cpu;
+        last_bytes = bytes;
+        *node.sample.lock().unwrap_or_else(|e| e.into_inner()) = s;
+        let states: Vec<Arc<VsState>> = {
+            let inner = node.inner.lock().await;
+            inner.listeners.values().map(|l| l.vs.state()).collect()
+        };
+        for st in states {
+            for e in &st.services {
+                let rt = &e.rt;
+                let total = rt.requests_total.load(Ordering::Relaxed);
+                let prev = rt.last_total.swap(total, Ordering::Relaxed);
+                rt.rps_bits
+                    .store(((total - prev) as f64 / dt).to_bits(), Ordering::Relaxed);
+                let us = rt.resp_us_total.load(Ordering::Relaxed);
+                let cnt = rt.resp_count.load(Ordering::Relaxed);
+                let pus = rt.last_resp_us.swap(us, Ordering::Relaxed);
+                let pcnt = rt.last_resp_count.swap(cnt, Ordering::Relaxed);
+                // Average over the window; the lifetime average when the window is empty.
+                let avg = if cnt > pcnt {
+                    (us - pus) as f64 / (cnt - pcnt) as f64 / 1000.0
+                } else if cnt > 0 {
+                    us as f64 / cnt as f64 / 1000.0
+                } else {
+                    0.0
+                };
+                rt.avg_ms_bits.store(avg.to_bits(), Ordering::Relaxed);
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! L4 TCP relay (vservers of type TCP, and the nlb forwarder).
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::metrics::{add_bytes, ConnGuard};
+use crate::node::Vserver;
+
+/// A stream that counts the bytes read from it into the node's throughput.
+pub struct Counted(pub TcpStream);
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.0).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = r {
+            add_bytes(buf.filled().len() - before);
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// Relays both ways until both sides close.
+pub async fn relay(client: TcpStream, backend: TcpStream) {
+    let mut a = Counted(client);
+    let mut b = Counted(backend);
+    let _ = tokio::io::copy_bidirectional(&mut a, &mut b).await;
+}
+
+/// Serves one TCP vserver connection: pick a service (trying the next ones if a
+/// connection is refused), then relay until done or the node is killed.
+pub async fn serve_conn(client: TcpStream, vs: Arc<Vserver>) {
+    let _g = ConnGuard::new();
+    let _ = client.set_nodelay(true);
+    let st = vs.state();
+    let Some(mut idx) = st.pick(None) else {
+        return;
+    };
+    let attempts = st.services.len();
+    let mut backend = None;
+    for _ in 0..attempts {
+        let rt = &st.services[idx].rt;
+        let start = Instant::now();
+        match rt.connect().await {
+            Ok(s) => {
+                rt.resp_us_total
+                    .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+                rt.resp_count.fetch_add(1, Ordering::Relaxed);
+                backend = Some(s);
+                break;
+            }
+            Err(e) => {
+                tracing::debug!(service = %rt.name, error = %e, "backend connect failed");
+                match st.pick(Some(idx)) {
+                    Some(j) => idx = j,
+                    None => break,
+                }
+            }
+        }
+    }
+    let Some(backend) = backend else { return };
+    let rt = st.services[idx].rt.clone();
+    drop(st);
+    rt.active.fetch_add(1, Ordering::Relaxed);
+    tokio::select! {
+        _ = relay(client, backend) => {}
+        _ = vs.kill.cancelled() => {}
+    }
+    rt.active.fetch_sub(1, Ordering::Relaxed);
+}

@@ -1,0 +1,285 @@
+//! Helpers shared by the integration tests: process guard, tiny backends, a tiny
+//! HTTP client, the gRPC client.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_lbscale-node");
+
+/// Kills (SIGKILL) the process it guards when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    pub fn spawn(name: &str, args: &[&str], log: &Path) -> Proc {
+        let log = std::fs::File::create(log).expect("create log file");
+        let child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("spawn lbscale-node");
+        Proc {
+            child,
+            name: name.into(),
+        }
+    }
+
+    /// Waits for the `ready` line on stdout.
+    pub fn wait_ready(&mut self, timeout: Duration) {
+        let out = self.child.stdout.take().expect("stdout piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(out).lines();
+            while let Some(Ok(l)) = lines.next() {
+                if l.trim() == "ready" {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        rx.recv_timeout(timeout)
+            .unwrap_or_else(|_| panic!("{}: no `ready` line within {timeout:?}", self.name));
+    }
+}
+
+pub fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lbscale-node-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Waits until `f` holds, panicking with `what` after `timeout`.
+pub async fn wait_until<F: FnMut() -> bool>(what: &str, timeout: Duration, mut f: F) {
+    let end = Instant::now() + timeout;
+    while !f() {
+        if Instant::now() > end {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A tiny HTTP/1.1 backend answering its name, with keep-alive. `/slow` waits
+/// 1.5 s; `/big` answers 1 MB.
+pub struct HttpBackend {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicU64>,
+    /// Connections accepted.
+    pub conns: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HttpBackend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl HttpBackend {
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+pub async fn http_backend(addr: &str, name: &'static str) -> HttpBackend {
+    let l = TcpListener::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("bind backend {addr}: {e}"));
+    let addr = l.local_addr().unwrap();
+    let hits = Arc::new(AtomicU64::new(0));
+    let conns = Arc::new(AtomicU64::new(0));
+    let h = hits.clone();
+    let cc = conns.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            cc.fetch_add(1, Ordering::SeqCst);
+            let h = h.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    // Read one request head (requests carry no body in these tests).
+                    let end = loop {
+                        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break p + 4;
+                        }
+                        match s.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    buf.drain(..end);
+                    h.fetch_add(1, Ordering::SeqCst);
+                    let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+                    if path.starts_with("/slow") {
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                    }
+                    let body: Vec<u8> = if path.starts_with("/big") {
+                        vec![b'x'; 1 << 20]
+                    } else {
+                        name.as_bytes().to_vec()
+                    };
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Backend: {name}\r\n\r\n",
+                        body.len()
+                    );
+                    if s.write_all(resp.as_bytes()).await.is_err()
+                        || s.write_all(&body).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    HttpBackend {
+        addr,
+        hits,
+        conns,
+        task,
+    }
+}
+
+/// A TCP backend that writes `name\n` on connect, then echoes.
+pub async fn tcp_backend(addr: &str, name: &'static str) -> HttpBackend {
+    let l = TcpListener::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("bind backend {addr}: {e}"));
+    let addr = l.local_addr().unwrap();
+    let hits = Arc::new(AtomicU64::new(0));
+    let h = hits.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            h.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if s.write_all(format!("{name}\n").as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut tmp = [0u8; 4096];
+                loop {
+                    match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            if s.write_all(&tmp[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    HttpBackend {
+        addr,
+        hits: hits.clone(),
+        conns: hits,
+        task,
+    }
+}
+
+pub struct HttpResp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl HttpResp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends one GET on `s` and reads the response (Content-Length framing).
+pub async fn http_request(s: &mut TcpStream, path: &str) -> std::io::Result<HttpResp> {
+    let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 65536];
+    let end = loop {
+        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break p + 4;
+        }
+        let n = s.read(&mut tmp).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "eof before response head",
+            ));
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let len: usize = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[end..].to_vec();
+    while body.len() < len {
+        let n = s.read(&mut tmp).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "eof in body",
+            ));
+        }
+        body.extend_from_slice(&tmp[..n]);
+    }
+    Ok(HttpResp {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// One GET on a new connection, with a timeout.
+pub async fn http_get(addr: &str, path: &str) -> HttpResp {
+    let fut = async {
+        let mut s = TcpStream::connect(addr).await?;
+        http_request(&mut s, path).await
+    };
+    tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .unwrap_or_else(|_| panic!("GET {addr}{path}: no response within 5 s"))
+        .unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
+}
