@@ -1,1 +1,58 @@
-fn main() {}
+//! `lbscale`: the command-line face of the engine.
+//!
+//! Today it carries the what-if tools of cli.md (`simulate`, `slowstart`,
+//! `se-plan`); the daemon, `status` and `events` join later as further arms of the
+//! `match` in [`run`], each with its own module under `cmd/`. Every command shares the
+//! same contract: JSON in (a file or `-` for standard input), JSON out on standard
+//! output, and on invalid input exit status 2 with one line on standard error,
+//! `error: <field path>: <what is allowed>, got <value>`.
+
+mod cmd;
+mod output;
+
+use std::process::ExitCode;
+
+use output::CliError;
+
+const USAGE: &str = "usage: lbscale <command> [arguments]
+
+commands:
+  simulate FILE|-        replay a metric trace against a scaling policy
+  slowstart FILE|-       request rates of a vserver's services under slow start
+  se-plan --nodes N [--forwarding-cost X] [--mode native|bgp|native_and_bgp]
+                         capacity and shares of a vserver scaled out over N nodes
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", e.message());
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<(), CliError> {
+    let (command, rest) = match args.split_first() {
+        Some((c, rest)) => (c.as_str(), rest),
+        None => {
+            return Err(CliError::Usage(
+                "command: must be one of simulate, slowstart, se-plan, got nothing".into(),
+            ))
+        }
+    };
+    match command {
+        "simulate" => cmd::simulate::run(rest),
+        "slowstart" => cmd::slowstart::run(rest),
+        "se-plan" => cmd::seplan::run(rest),
+        "help" | "-h" | "--help" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => Err(CliError::Usage(format!(
+            "command: must be one of simulate, slowstart, se-plan, got {other:?}"
+        ))),
+    }
+}

@@ -71,6 +71,18 @@ pub fn format_duration(d: Duration) -> String {
     out
 }
 
+/// Formats a duration in whole seconds (`60s`, `90s`), or milliseconds when it is not
+/// a whole number of seconds (`1500ms`). Error messages use this form because it is
+/// the one that makes multiples easy to see: "a multiple of 60s, got 90s".
+pub fn format_as_seconds(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
 /// A `Duration` that serialises as its string form, for JSON inputs and outputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct TextDuration(pub Duration);
@@ -115,6 +127,13 @@ mod tests {
             let e = parse_duration(bad).unwrap_err();
             assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
         }
+    }
+
+    #[test]
+    fn seconds_form_for_messages() {
+        assert_eq!(format_as_seconds(Duration::from_secs(90)), "90s");
+        assert_eq!(format_as_seconds(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format_as_seconds(Duration::ZERO), "0s");
     }
 
     #[test]
