@@ -210,7 +210,7 @@ impl Cloud for LocalCloud {
             "--memory-limit-mb".into(),
             req.memory_limit_mb.to_string(),
         ];
-        let pid = spawn_detached(&bin, &args, &dir.join("node.log"))?;
+        let pid = spawn_detached(&bin, &args, &dir.join("node.log"), &req.node_id)?;
         // The process exists now: wait for its API socket (a VM that has booted).
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -315,7 +315,7 @@ impl Distributor for LocalCloud {
             // The paths name the distributor's id, which marks the process as ours.
             status.display().to_string(),
         ]);
-        rt.pid = spawn_detached(&bin, &args, &rt.dir.join("distributor.log"))?;
+        rt.pid = spawn_detached(&bin, &args, &rt.dir.join("distributor.log"), id)?;
         self.save_runtime(id, &rt)?;
         wait_status(
             &status,
@@ -463,7 +463,7 @@ async fn wait_status(
 
 /// Starts `bin args` in a session of its own, stdio to `log`, and does not wait
 /// for it. A thread reaps it if it ends while we still run; otherwise init does.
-fn spawn_detached(bin: &Path, args: &[String], log: &Path) -> Result<u32> {
+fn spawn_detached(bin: &Path, args: &[String], log: &Path, marker: &str) -> Result<u32> {
     use std::os::unix::process::CommandExt;
     let out = std::fs::OpenOptions::new()
         .create(true)
@@ -479,10 +479,45 @@ fn spawn_detached(bin: &Path, args: &[String], log: &Path) -> Result<u32> {
         // Backtraces in a node's log are useful; the provider's environment is not.
         .env_remove("TF_LOG")
         .process_group(0);
+    // Terraform hands the provider pipes that are not close-on-exec; a node that
+    // kept them would hold Terraform's output open long after the provider exits.
+    // Mark every inherited descriptor close-on-exec (closing them here would also
+    // close the pipe through which std reports a failed exec).
+    unsafe {
+        cmd.pre_exec(|| {
+            const CLOSE_RANGE_CLOEXEC: u32 = 1 << 2;
+            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) != 0 {
+                for fd in 3..4096 {
+                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+                }
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .spawn()
         .map_err(|e| CloudError::Failed(format!("could not start {}: {e}", bin.display())))?;
     let pid = child.id();
+    // Liveness checks look for the marker in /proc/PID/cmdline: make sure it is
+    // there before anyone looks.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !process_alive(pid, marker) {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(CloudError::Failed(format!(
+                "{} exited at once ({status}): {}",
+                bin.display(),
+                log_tail(log)
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err(CloudError::Failed(format!(
+                "{} did not start within 5s",
+                bin.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
     std::thread::spawn(move || {
         let _ = child.wait();
     });

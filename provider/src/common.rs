@@ -1,0 +1,242 @@
+//! What every resource shares: the configured engine, schema builders, value
+//! helpers, and diagnostics that name the attribute they are about.
+
+use lbscale_engine::model::{Finding, Findings, PathStep, Severity};
+use lbscale_engine::{Engine, EngineError};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use tf_provider::schema::{
+    Attribute, AttributeConstraint, AttributeType, Block, Description, NestedBlock,
+};
+use tf_provider::value::Value;
+use tf_provider::{AttributePath, Diagnostic, Diagnostics};
+
+/// The engine, opened when Terraform configures the provider. Resources are built
+/// before that, so they hold this handle.
+pub type EngineHandle = Arc<OnceLock<Arc<Engine>>>;
+
+pub fn engine(handle: &EngineHandle, diags: &mut Diagnostics) -> Option<Arc<Engine>> {
+    match handle.get() {
+        Some(e) => Some(e.clone()),
+        None => {
+            root_error(
+                diags,
+                "Provider not configured",
+                "the lbscale provider was used before it was configured",
+            );
+            None
+        }
+    }
+}
+
+// --- diagnostics -------------------------------------------------------------------
+// Built field by field: `Diagnostic::new` would append a backtrace.
+
+pub fn error(
+    diags: &mut Diagnostics,
+    path: AttributePath,
+    summary: impl Into<String>,
+    detail: impl Into<String>,
+) {
+    diags.add_error(Diagnostic {
+        summary: summary.into().into(),
+        detail: detail.into().into(),
+        attribute: path,
+    });
+}
+
+pub fn root_error(diags: &mut Diagnostics, summary: impl Into<String>, detail: impl Into<String>) {
+    error(diags, AttributePath::default(), summary, detail)
+}
+
+pub fn to_path(prefix: &AttributePath, steps: &[PathStep]) -> AttributePath {
+    let mut p = prefix.clone();
+    for s in steps {
+        match s {
+            PathStep::Attr(a) => {
+                p.add_attribute(*a);
+            }
+            PathStep::Index(i) => {
+                p.add_index(*i as i64);
+            }
+        }
+    }
+    p
+}
+
+pub fn add_finding(diags: &mut Diagnostics, f: Finding) {
+    let d = Diagnostic {
+        summary: f.summary.into(),
+        detail: f.detail.into(),
+        attribute: to_path(&AttributePath::default(), &f.path),
+    };
+    match f.severity {
+        Severity::Error => diags.add_error(d),
+        Severity::Warning => diags.add_warning(d),
+    }
+}
+
+/// Adds the findings; `None` when one of them is an error.
+pub fn report(diags: &mut Diagnostics, findings: Findings) -> Option<()> {
+    let failed = findings.has_errors();
+    for f in findings.0 {
+        add_finding(diags, f);
+    }
+    (!failed).then_some(())
+}
+
+pub fn engine_error(diags: &mut Diagnostics, what: &str, e: EngineError) {
+    match e {
+        EngineError::Invalid(f) => add_finding(diags, f),
+        other => root_error(diags, format!("lbscale: {what} failed"), other.to_string()),
+    }
+}
+
+// --- values ------------------------------------------------------------------------
+
+/// The value when it is known and set.
+pub fn known<T>(v: &Value<T>) -> Option<&T> {
+    v.as_ref_option()
+}
+
+/// Sets a null value to its default (Optional+Computed attributes with a default).
+pub fn default_to<T>(v: &mut Value<T>, default: T) {
+    if v.is_null() {
+        *v = Value::Value(default);
+    }
+}
+
+pub fn string(v: &Value<String>) -> String {
+    known(v).cloned().unwrap_or_default()
+}
+
+// --- schema ------------------------------------------------------------------------
+
+pub fn attr(t: AttributeType, c: AttributeConstraint, description: &str) -> Attribute {
+    Attribute {
+        attr_type: t,
+        description: Description::markdown(description),
+        constraint: c,
+        sensitive: false,
+        deprecated: false,
+    }
+}
+
+pub fn required(t: AttributeType, d: &str) -> Attribute {
+    attr(t, AttributeConstraint::Required, d)
+}
+pub fn optional(t: AttributeType, d: &str) -> Attribute {
+    attr(t, AttributeConstraint::Optional, d)
+}
+/// Optional with a default that the plan fills in.
+pub fn defaulted(t: AttributeType, d: &str) -> Attribute {
+    attr(t, AttributeConstraint::OptionalComputed, d)
+}
+pub fn computed(t: AttributeType, d: &str) -> Attribute {
+    attr(t, AttributeConstraint::Computed, d)
+}
+pub fn sensitive(mut a: Attribute) -> Attribute {
+    a.sensitive = true;
+    a
+}
+
+pub fn block(
+    description: &str,
+    attributes: Vec<(&str, Attribute)>,
+    blocks: Vec<(&str, NestedBlock)>,
+) -> Block {
+    Block {
+        version: 1,
+        attributes: attributes
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect::<HashMap<_, _>>(),
+        blocks: blocks
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        description: Description::markdown(description),
+        deprecated: false,
+    }
+}
+
+pub fn id_attr() -> Attribute {
+    computed(
+        AttributeType::String,
+        "The object's id in the lbscale store.",
+    )
+}
+
+/// The `terraform import` id is the object's name.
+pub fn import_not_found(diags: &mut Diagnostics, kind: &str, name: &str) {
+    root_error(
+        diags,
+        format!("Cannot import {kind}"),
+        format!("no {kind} named {name:?} exists in the lbscale store (the import id is the name)"),
+    )
+}
+
+pub fn changed<T: PartialEq>(a: &Value<T>, b: &Value<T>) -> bool {
+    a != b
+}
+
+pub fn attr_path(name: &'static str) -> AttributePath {
+    AttributePath::new(name)
+}
+
+/// A Terraform number that may have a fraction.
+///
+/// Terraform encodes a number that float64 cannot hold exactly (`0.3` read back
+/// from a state file, say) as a decimal string in msgpack; `f64` alone refuses it.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Default)]
+pub struct Number(pub f64);
+
+impl serde::Serialize for Number {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Number {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Number;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number")
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Number, E> {
+                Ok(Number(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Number, E> {
+                Ok(Number(v as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Number, E> {
+                Ok(Number(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Number, E> {
+                v.parse()
+                    .map(Number)
+                    .map_err(|_| E::custom(format!("{v:?} is not a number")))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_read_from_msgpack_ints_floats_and_decimal_strings() {
+        for (bytes, want) in [
+            (rmp_serde::to_vec(&7i64).unwrap(), 7.0),
+            (rmp_serde::to_vec(&20.5f64).unwrap(), 20.5),
+            (rmp_serde::to_vec("0.3").unwrap(), 0.3),
+        ] {
+            let v: Value<Number> = rmp_serde::from_slice(&bytes).unwrap();
+            assert_eq!(v, Value::Value(Number(want)));
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! Data sources.
+
+pub mod group;

@@ -1,0 +1,231 @@
+//! The `lbscale` provider: where the store is, and how each cloud is reached.
+
+use crate::common::*;
+use crate::data_sources::group::GroupDataSource;
+use crate::resources::{
+    distributor::DistributorResource, group::GroupResource, se_group::SeGroupResource,
+    vserver::VserverResource,
+};
+use async_trait::async_trait;
+use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
+use lbscale_engine::Engine;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tf_provider::schema::{AttributeType, NestedBlock, Schema};
+use tf_provider::value::Value;
+use tf_provider::{AttributePath, Diagnostics, DynamicDataSource, DynamicResource, Provider};
+
+pub const DEFAULT_STATE: &str = "sqlite://.lbscale/state.db";
+
+#[derive(Default)]
+pub struct LbscaleProvider {
+    engine: EngineHandle,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LocalBlock {
+    #[serde(default)]
+    pub address_prefix: Value<String>,
+    #[serde(default)]
+    pub dns_port: Value<i64>,
+    #[serde(default)]
+    pub node_api_port: Value<i64>,
+    #[serde(default)]
+    pub node_binary: Value<String>,
+}
+
+/// Cloud blocks are accepted so that one module serves every cloud; their drivers
+/// come later. Credentials are sensitive and never reach the store.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CloudBlock {
+    #[serde(default)]
+    pub region: Value<String>,
+    #[serde(default)]
+    pub endpoint: Value<String>,
+    #[serde(default)]
+    pub credentials: Value<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ProviderConfig {
+    #[serde(default)]
+    pub state: Value<String>,
+    #[serde(default)]
+    pub local: Value<Vec<LocalBlock>>,
+    #[serde(default)]
+    pub aws: Value<Vec<CloudBlock>>,
+    #[serde(default)]
+    pub azure: Value<Vec<CloudBlock>>,
+    #[serde(default)]
+    pub gcp: Value<Vec<CloudBlock>>,
+}
+
+fn cloud_block(name: &str) -> NestedBlock {
+    NestedBlock::Optional(block(
+        &format!("Settings of the {name} cloud. Its driver is not built yet: groups with `cloud = \"{name}\"` are refused at plan time."),
+        vec![
+            ("region", optional(AttributeType::String, "Region to create nodes in.")),
+            ("endpoint", optional(AttributeType::String, "API endpoint override (for tests and private endpoints).")),
+            (
+                "credentials",
+                sensitive(optional(
+                    AttributeType::String,
+                    "Credentials; when unset, the cloud's usual credential chain is used. Sensitive: never stored nor logged.",
+                )),
+            ),
+        ],
+        vec![],
+    ))
+}
+
+fn local_settings(config: &ProviderConfig, diags: &mut Diagnostics) -> Option<LocalSettings> {
+    let mut s = LocalSettings::default();
+    let Some(local) = known(&config.local).and_then(|v| v.first()) else {
+        return Some(s);
+    };
+    let at = |a: &'static str| AttributePath::new("local").index(0).attribute(a);
+    if let Some(p) = known(&local.address_prefix) {
+        if let Err(e) = check_address_prefix(p) {
+            error(diags, at("address_prefix"), "Invalid address_prefix", e);
+            return None;
+        }
+        s.address_prefix = p.clone();
+    }
+    for (name, value, slot) in [
+        ("dns_port", &local.dns_port, &mut s.dns_port),
+        ("node_api_port", &local.node_api_port, &mut s.node_api_port),
+    ] {
+        if let Some(v) = known(value) {
+            if !(1..=65535).contains(v) {
+                error(
+                    diags,
+                    at(name),
+                    format!("Invalid {name}"),
+                    format!("{name} must be between 1 and 65535, got {v}."),
+                );
+                return None;
+            }
+            *slot = *v as u16;
+        }
+    }
+    s.node_binary = known(&local.node_binary).map(Into::into);
+    Some(s)
+}
+
+#[async_trait]
+impl Provider for LbscaleProvider {
+    type Config<'a> = ProviderConfig;
+    type MetaState<'a> = Value<tf_provider::value::StructEmpty>;
+
+    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
+        Some(Schema {
+            version: 1,
+            block: block(
+                "lbscale: threshold-driven autoscaling of load-balancer fleets.",
+                vec![(
+                    "state",
+                    optional(
+                        AttributeType::String,
+                        "The store shared with the daemon: `sqlite://PATH` (relative to Terraform's working directory). Default `sqlite://.lbscale/state.db`.",
+                    ),
+                )],
+                vec![
+                    (
+                        "local",
+                        NestedBlock::Optional(block(
+                            "Settings of the local cloud (nodes are processes on this machine).",
+                            vec![
+                                ("address_prefix", optional(AttributeType::String, "Loopback prefix that node and distributor addresses are taken from. Default `127.0.`.")),
+                                ("dns_port", optional(AttributeType::Number, "Port of the dns distributors' DNS servers. Default 10053.")),
+                                ("node_api_port", optional(AttributeType::Number, "Port of each node's management API (on the node's own address). Default 9990.")),
+                                ("node_binary", optional(AttributeType::String, "Path of `lbscale-node`. Default: next to the provider, then PATH.")),
+                            ],
+                            vec![],
+                        )),
+                    ),
+                    ("aws", cloud_block("aws")),
+                    ("azure", cloud_block("azure")),
+                    ("gcp", cloud_block("gcp")),
+                ],
+            ),
+        })
+    }
+
+    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::Config<'a>) -> Option<()> {
+        local_settings(&config, diags)?;
+        Some(())
+    }
+
+    async fn configure<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        _tf: String,
+        config: Self::Config<'a>,
+    ) -> Option<()> {
+        let local = local_settings(&config, diags)?;
+        if config.state.is_unknown() {
+            error(
+                diags,
+                AttributePath::new("state"),
+                "Unknown state",
+                "state must be known at plan time.",
+            );
+            return None;
+        }
+        let url = known(&config.state)
+            .cloned()
+            .unwrap_or_else(|| DEFAULT_STATE.to_string());
+        let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
+        match Engine::open(&url, &cwd, local) {
+            Ok(e) => {
+                let _ = self.engine.set(Arc::new(e));
+                Some(())
+            }
+            Err(e) => {
+                error(
+                    diags,
+                    AttributePath::new("state"),
+                    "Cannot open the lbscale store",
+                    e.to_string(),
+                );
+                None
+            }
+        }
+    }
+
+    fn get_resources(
+        &self,
+        _diags: &mut Diagnostics,
+    ) -> Option<HashMap<String, Box<dyn DynamicResource>>> {
+        let e = &self.engine;
+        Some(HashMap::from([
+            (
+                "traffic_distributor".to_string(),
+                Box::new(DistributorResource(e.clone())) as Box<dyn DynamicResource>,
+            ),
+            (
+                "autoscale_group".to_string(),
+                Box::new(GroupResource(e.clone())) as Box<dyn DynamicResource>,
+            ),
+            (
+                "se_group".to_string(),
+                Box::new(SeGroupResource(e.clone())) as Box<dyn DynamicResource>,
+            ),
+            (
+                "vserver".to_string(),
+                Box::new(VserverResource(e.clone())) as Box<dyn DynamicResource>,
+            ),
+        ]))
+    }
+
+    fn get_data_sources(
+        &self,
+        _diags: &mut Diagnostics,
+    ) -> Option<HashMap<String, Box<dyn DynamicDataSource>>> {
+        Some(HashMap::from([(
+            "autoscale_group".to_string(), // tf-provider prefixes "lbscale_"
+            Box::new(GroupDataSource(self.engine.clone())) as Box<dyn DynamicDataSource>,
+        )]))
+    }
+}

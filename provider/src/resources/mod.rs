@@ -1,0 +1,35 @@
+//! The four resources. Each keeps its Terraform state shape here and hands the
+//! work to the engine; no decision logic lives in the provider.
+
+pub mod distributor;
+pub mod group;
+pub mod se_group;
+pub mod vserver;
+
+use crate::common::root_error;
+use tf_provider::Diagnostics;
+
+/// Refuses clouds whose driver is not built yet, at plan time rather than apply.
+pub fn check_cloud_built(diags: &mut Diagnostics, cloud: Option<&String>) -> Option<()> {
+    match cloud.map(String::as_str) {
+        Some("aws") | Some("azure") | Some("gcp") => {
+            crate::common::error(
+                diags,
+                tf_provider::AttributePath::new("cloud"),
+                "Cloud driver not built yet",
+                format!("the {} cloud driver is not built yet in this version of lbscale; only \"local\" works", cloud.unwrap()),
+            );
+            None
+        }
+        _ => Some(()),
+    }
+}
+
+/// A state that deserialised as null where an object was expected.
+pub fn missing_state(diags: &mut Diagnostics) {
+    root_error(
+        diags,
+        "Missing state",
+        "Terraform sent no state for this resource",
+    )
+}

@@ -1,0 +1,340 @@
+//! `lbscale_se_group`: how a vserver scales out across the nodes of a group.
+
+use super::missing_state;
+use crate::common::*;
+use async_trait::async_trait;
+use lbscale_engine::model::{Finding, Findings, PathStep, SeGroupSpec, SCALING_MODES};
+use serde::{Deserialize, Serialize};
+use tf_provider::schema::{AttributeType, Schema};
+use tf_provider::value::{Value, ValueEmpty};
+use tf_provider::{AttributePath, Diagnostics, Resource};
+
+pub struct SeGroupResource(pub EngineHandle);
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct State {
+    pub id: Value<String>,
+    pub name: Value<String>,
+    pub autoscale_group_id: Value<String>,
+    pub scaling_mode: Value<String>,
+    pub min_scaleout_per_vs: Value<i64>,
+    pub max_scaleout_per_vs: Value<i64>,
+    pub vs_scalein_timeout: Value<String>,
+    pub se_tunnel_mode: Value<i64>,
+    pub primary_forwarding_cost: Value<Number>,
+}
+
+fn apply_defaults(s: &mut State) {
+    default_to(&mut s.scaling_mode, "native".into());
+    default_to(&mut s.min_scaleout_per_vs, 1);
+    default_to(&mut s.max_scaleout_per_vs, 4);
+    default_to(&mut s.vs_scalein_timeout, "30s".into());
+    default_to(&mut s.se_tunnel_mode, 0);
+    default_to(&mut s.primary_forwarding_cost, Number(0.3));
+}
+
+fn validate(s: &State) -> Findings {
+    let mut f = Findings::default();
+    if let Some(n) = known(&s.name) {
+        f.name(n);
+    }
+    if let Some(m) = known(&s.scaling_mode) {
+        f.one_of(
+            vec![PathStep::Attr("scaling_mode")],
+            "scaling_mode",
+            m,
+            SCALING_MODES,
+        );
+    }
+    let min = if s.min_scaleout_per_vs.is_null() {
+        Some(1)
+    } else {
+        known(&s.min_scaleout_per_vs).copied()
+    };
+    let max = if s.max_scaleout_per_vs.is_null() {
+        Some(4)
+    } else {
+        known(&s.max_scaleout_per_vs).copied()
+    };
+    if let Some(v) = min {
+        f.range(
+            vec![PathStep::Attr("min_scaleout_per_vs")],
+            "min_scaleout_per_vs",
+            v,
+            1,
+            64,
+        );
+    }
+    if let Some(v) = max {
+        f.range(
+            vec![PathStep::Attr("max_scaleout_per_vs")],
+            "max_scaleout_per_vs",
+            v,
+            1,
+            64,
+        );
+    }
+    if let (Some(a), Some(b)) = (min, max) {
+        if a > b {
+            f.0.push(Finding::error(
+                vec![PathStep::Attr("min_scaleout_per_vs")],
+                "Invalid scale-out bounds",
+                format!("min_scaleout_per_vs must be less than or equal to max_scaleout_per_vs, got {a} and {b}."),
+            ));
+        }
+    }
+    if let Some(t) = known(&s.vs_scalein_timeout) {
+        f.duration(
+            vec![PathStep::Attr("vs_scalein_timeout")],
+            "vs_scalein_timeout",
+            t,
+        );
+    }
+    if let Some(m) = known(&s.se_tunnel_mode) {
+        f.range(
+            vec![PathStep::Attr("se_tunnel_mode")],
+            "se_tunnel_mode",
+            *m,
+            0,
+            2,
+        );
+    }
+    if let Some(Number(c)) = known(&s.primary_forwarding_cost) {
+        if !(*c > 0.0 && *c < 1.0) {
+            f.0.push(Finding::error(
+                vec![PathStep::Attr("primary_forwarding_cost")],
+                "Invalid primary_forwarding_cost",
+                format!(
+                    "primary_forwarding_cost must be between 0 and 1 (both excluded), got {c}."
+                ),
+            ));
+        }
+    }
+    f
+}
+
+fn spec_of(s: &State) -> SeGroupSpec {
+    SeGroupSpec {
+        name: string(&s.name),
+        autoscale_group_id: string(&s.autoscale_group_id),
+        scaling_mode: string(&s.scaling_mode),
+        min_scaleout_per_vs: known(&s.min_scaleout_per_vs).copied().unwrap_or(1),
+        max_scaleout_per_vs: known(&s.max_scaleout_per_vs).copied().unwrap_or(4),
+        vs_scalein_timeout: string(&s.vs_scalein_timeout),
+        se_tunnel_mode: known(&s.se_tunnel_mode).copied().unwrap_or(0),
+        primary_forwarding_cost: known(&s.primary_forwarding_cost).map_or(0.3, |n| n.0),
+    }
+}
+
+impl SeGroupResource {
+    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<State>> {
+        let engine = engine(&self.0, diags)?;
+        match engine.store.se_group(id) {
+            Ok(None) => Some(Value::Null),
+            Ok(Some(r)) => Some(Value::Value(State {
+                id: Value::Value(r.id),
+                name: Value::Value(r.spec.name),
+                autoscale_group_id: Value::Value(r.spec.autoscale_group_id),
+                scaling_mode: Value::Value(r.spec.scaling_mode),
+                min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs),
+                max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs),
+                vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout),
+                se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode),
+                primary_forwarding_cost: Value::Value(Number(r.spec.primary_forwarding_cost)),
+            })),
+            Err(e) => {
+                engine_error(diags, "read SE group", e.into());
+                None
+            }
+        }
+    }
+
+    fn check(&self, diags: &mut Diagnostics, s: &State) -> Option<()> {
+        if s.autoscale_group_id.is_unknown() {
+            return Some(());
+        }
+        let engine = engine(&self.0, diags)?;
+        match engine.check_se_group(&spec_of(s)) {
+            Ok(f) => report(diags, f),
+            Err(e) => {
+                engine_error(diags, "check SE group", e);
+                None
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Resource for SeGroupResource {
+    type State<'a> = Value<State>;
+    type PrivateState<'a> = ValueEmpty;
+    type ProviderMetaState<'a> = ValueEmpty;
+
+    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
+        Some(Schema {
+            version: 1,
+            block: block(
+                "The placement and scale-out policy of vservers across the nodes of an autoscale group.",
+                vec![
+                    ("id", id_attr()),
+                    ("name", required(AttributeType::String, "Name of the SE group; can change in place.")),
+                    ("autoscale_group_id", required(AttributeType::String, "Id of the `lbscale_autoscale_group` whose nodes serve this SE group's vservers; changing it moves the vservers.")),
+                    ("scaling_mode", defaulted(AttributeType::String, "`native` (the primary forwards a share to secondaries), `bgp` (ECMP over every node) or `native_and_bgp`. Default `native`.")),
+                    ("min_scaleout_per_vs", defaulted(AttributeType::Number, "Fewest nodes a vserver is placed on. Default 1.")),
+                    ("max_scaleout_per_vs", defaulted(AttributeType::Number, "Most nodes a vserver is placed on. Default 4; 1 <= min <= max <= 64.")),
+                    ("vs_scalein_timeout", defaulted(AttributeType::String, "How long a secondary leaving a vserver keeps its connections. Default `\"30s\"`.")),
+                    ("se_tunnel_mode", defaulted(AttributeType::Number, "0 auto (default), 1 tunnel, 2 no tunnel (direct return). Takes effect when the nodes restart.")),
+                    ("primary_forwarding_cost", defaulted(AttributeType::Number, "Cost of forwarding a connection on the primary, as a fraction of serving one; 0 < x < 1. Default 0.3.")),
+                ],
+                vec![],
+            ),
+        })
+    }
+
+    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::State<'a>) -> Option<()> {
+        let Some(c) = known(&config) else {
+            return Some(());
+        };
+        report(diags, validate(c))
+    }
+
+    async fn read<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        state: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Some(s) = known(&state) else {
+            return Some((Value::Null, p));
+        };
+        Some((self.observe(diags, &string(&s.id))?, p))
+    }
+
+    async fn plan_create<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        proposed: Self::State<'a>,
+        _c: Self::State<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Value::Value(mut s) = proposed else {
+            return Some((proposed, Value::Null));
+        };
+        apply_defaults(&mut s);
+        self.check(diags, &s)?;
+        s.id = Value::Unknown;
+        Some((Value::Value(s), Value::Null))
+    }
+
+    async fn plan_update<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        _prior: Self::State<'a>,
+        proposed: Self::State<'a>,
+        _c: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
+        let Value::Value(mut s) = proposed else {
+            missing_state(diags);
+            return None;
+        };
+        apply_defaults(&mut s);
+        self.check(diags, &s)?;
+        Some((Value::Value(s), p, vec![]))
+    }
+
+    async fn plan_destroy<'a>(
+        &self,
+        _d: &mut Diagnostics,
+        _prior: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<Self::PrivateState<'a>> {
+        Some(p)
+    }
+
+    async fn create<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        planned: Self::State<'a>,
+        _c: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Some(s) = known(&planned) else {
+            missing_state(diags);
+            return None;
+        };
+        let engine = engine(&self.0, diags)?;
+        match engine.create_se_group(&spec_of(s)).await {
+            Ok(id) => Some((self.observe(diags, &id)?, p)),
+            Err(e) => {
+                engine_error(diags, "create SE group", e);
+                None
+            }
+        }
+    }
+
+    async fn update<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        prior: Self::State<'a>,
+        planned: Self::State<'a>,
+        _c: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let (Some(prior), Some(s)) = (known(&prior), known(&planned)) else {
+            missing_state(diags);
+            return None;
+        };
+        let engine = engine(&self.0, diags)?;
+        let id = string(&prior.id);
+        if let Err(e) = engine.update_se_group(&id, &spec_of(s)).await {
+            engine_error(diags, "update SE group", e);
+            return None;
+        }
+        Some((self.observe(diags, &id)?, p))
+    }
+
+    async fn destroy<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        prior: Self::State<'a>,
+        _p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<()> {
+        let Some(prior) = known(&prior) else {
+            return Some(());
+        };
+        let engine = engine(&self.0, diags)?;
+        match engine.delete_se_group(&string(&prior.id)).await {
+            Ok(()) => Some(()),
+            Err(e) => {
+                engine_error(diags, "destroy SE group", e);
+                None
+            }
+        }
+    }
+
+    async fn import<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        name: String,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let engine = engine(&self.0, diags)?;
+        match engine.store.se_group_by_name(&name) {
+            Ok(Some(row)) => Some((self.observe(diags, &row.id)?, Value::Null)),
+            Ok(None) => {
+                import_not_found(diags, "SE group", &name);
+                None
+            }
+            Err(e) => {
+                engine_error(diags, "import SE group", e.into());
+                None
+            }
+        }
+    }
+}
