@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what lbscale needs to build and test on a Debian machine, then builds
+# the workspace. Idempotent: a second run only rebuilds what changed.
+#   - protoc (Debian's protobuf-compiler): the gRPC code of tf-provider and of
+#     lbscale-node's management API is generated at build time;
+#   - dig (dnsutils), curl: the quickstart and the tests query the local DNS
+#     distributor and the vservers with real clients;
+#   - Terraform 1.0.3, into .tools/bin (scripts/install-terraform.sh).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+need=()
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+command -v dig >/dev/null 2>&1 || need+=(dnsutils)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing ${need[*]} (apt)" >&2
+  if [ "$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi
+  timeout 600 $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive timeout 900 $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+fi
+
+terraform=$("$root/scripts/install-terraform.sh")
+echo "setup: terraform at $terraform" >&2
+
+echo "setup: building the workspace (cargo build)" >&2
+cargo build --workspace --bins --quiet
+echo "setup: done" >&2
