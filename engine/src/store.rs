@@ -860,6 +860,25 @@ impl Store {
         Ok(())
     }
 
+    /// Rows in one of the store's tables (tests use it to prove a clean destroy).
+    pub fn count_rows(&self, table: &str) -> Result<i64> {
+        const TABLES: &[&str] = &[
+            "distributors",
+            "groups",
+            "group_secrets",
+            "se_groups",
+            "vservers",
+            "nodes",
+            "addresses",
+            "events",
+            "leases",
+        ];
+        if !TABLES.contains(&table) {
+            return Err(StoreError::Sql(format!("no table {table:?}")));
+        }
+        self.with(|c| c.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0)))
+    }
+
     /// Counts rows that mention the id anywhere (used by tests to prove a clean destroy).
     pub fn rows_mentioning(&self, id: &str) -> Result<i64> {
         let mut total = 0;

@@ -186,14 +186,22 @@ pub fn attr_path(name: &'static str) -> AttributePath {
 
 /// A Terraform number that may have a fraction.
 ///
-/// Terraform encodes a number that float64 cannot hold exactly (`0.3` read back
-/// from a state file, say) as a decimal string in msgpack; `f64` alone refuses it.
+/// Terraform numbers are exact decimals: `10.3` in a configuration is not the
+/// float64 nearest to it, and msgpack carries such a number as a decimal string.
+/// A value planned or read back as a float would differ from the configuration
+/// ("planned value does not match config value"). So a `Number` is written back as
+/// the shortest decimal that reads as the same f64 (`10.3`), which is what the
+/// operator wrote.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Default)]
 pub struct Number(pub f64);
 
 impl serde::Serialize for Number {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(self.0)
+        if self.0.is_finite() && self.0.fract() == 0.0 && self.0.abs() < 9.0e15 {
+            s.serialize_i64(self.0 as i64)
+        } else {
+            s.serialize_str(&self.0.to_string())
+        }
     }
 }
 
@@ -238,5 +246,14 @@ mod tests {
             let v: Value<Number> = rmp_serde::from_slice(&bytes).unwrap();
             assert_eq!(v, Value::Value(Number(want)));
         }
+    }
+
+    #[test]
+    fn numbers_write_back_as_the_decimal_the_operator_wrote() {
+        let back: String =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&Number(10.3)).unwrap()).unwrap();
+        assert_eq!(back, "10.3");
+        let whole: i64 = rmp_serde::from_slice(&rmp_serde::to_vec(&Number(80.0)).unwrap()).unwrap();
+        assert_eq!(whole, 80);
     }
 }

@@ -1,1 +1,452 @@
-//! Harness for driving Terraform; see tests/.
+//! Harness for the acceptance tests: the real Terraform CLI against the freshly
+//! built provider, through `dev_overrides` in a CLI configuration of our own.
+//!
+//! Each [`Workspace`] is a temporary directory with its own store, and its nodes
+//! and distributors live on a loopback prefix of their own, so that tests run in
+//! parallel without meeting. When a workspace is dropped it destroys what it
+//! applied and kills any process that is still left (a failed test must not leave
+//! nodes behind for the next one).
+
+use serde_json::Value;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// `target/debug`, where cargo put the provider and `lbscale-node`.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/debug/deps/<test> -> target/debug
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf()
+}
+
+pub fn terraform() -> PathBuf {
+    if let Ok(p) = std::env::var("LBSCALE_TERRAFORM") {
+        return p.into();
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let p = root.join(".tools/bin/terraform");
+    assert!(
+        p.is_file(),
+        "Terraform is not installed: run scripts/install-terraform.sh (looked for {})",
+        p.display()
+    );
+    p
+}
+
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn all(&self) -> String {
+        format!("{}\n{}", self.stdout, self.stderr)
+    }
+}
+
+pub struct Workspace {
+    pub dir: PathBuf,
+    pub prefix: String,
+    cli_config: PathBuf,
+    applied: bool,
+}
+
+impl Workspace {
+    /// A new workspace whose nodes take addresses under `127.<octet>.`.
+    pub fn new(name: &str, octet: u8) -> Workspace {
+        let dir = std::env::temp_dir().join(format!("lbscale-acc-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let provider_dir = bin_dir();
+        assert!(
+            provider_dir.join("terraform-provider-lbscale").is_file()
+                && provider_dir.join("lbscale-node").is_file(),
+            "build the provider and the node first (cargo build --workspace): {}",
+            provider_dir.display()
+        );
+        let cli_config = dir.join("cli.tfrc");
+        std::fs::write(
+            &cli_config,
+            format!(
+                "provider_installation {{\n  dev_overrides {{\n    \"lbscale/lbscale\" = \"{}\"\n  }}\n  direct {{}}\n}}\n",
+                provider_dir.display()
+            ),
+        )
+        .unwrap();
+        Workspace {
+            dir,
+            prefix: format!("127.{octet}."),
+            cli_config,
+            applied: false,
+        }
+    }
+
+    /// The provider block and `required_providers` every configuration starts with.
+    pub fn header(&self) -> String {
+        format!(
+            r#"terraform {{
+  required_providers {{
+    lbscale = {{ source = "lbscale/lbscale" }}
+  }}
+}}
+
+provider "lbscale" {{
+  local {{
+    address_prefix = "{}"
+  }}
+}}
+"#,
+            self.prefix
+        )
+    }
+
+    /// Writes `main.tf`: the header followed by `body`.
+    pub fn write(&self, body: &str) {
+        std::fs::write(
+            self.dir.join("main.tf"),
+            format!("{}\n{}", self.header(), body),
+        )
+        .unwrap();
+    }
+
+    pub fn tf(&self, args: &[&str]) -> Output {
+        let out = Command::new(terraform())
+            .args(args)
+            .current_dir(&self.dir)
+            .env("TF_CLI_CONFIG_FILE", &self.cli_config)
+            .env("CHECKPOINT_DISABLE", "1")
+            .env("TF_IN_AUTOMATION", "1")
+            // A belt only: the provider itself must never report a backtrace.
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("TF_LOG")
+            .output()
+            .expect("run terraform");
+        Output {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// `terraform apply`; panics with Terraform's output when it fails.
+    pub fn apply(&mut self) -> Output {
+        self.applied = true;
+        let o = self.tf(&["apply", "-auto-approve", "-no-color", "-input=false"]);
+        assert_eq!(o.code, 0, "terraform apply failed:\n{}", o.all());
+        o
+    }
+
+    /// `terraform plan -detailed-exitcode`: 0 no changes, 2 changes, 1 error.
+    pub fn plan(&self) -> Output {
+        self.tf(&["plan", "-detailed-exitcode", "-no-color", "-input=false"])
+    }
+
+    pub fn assert_plan_empty(&self, when: &str) {
+        let o = self.plan();
+        assert_eq!(o.code, 0, "plan after {when} is not empty:\n{}", o.all());
+    }
+
+    pub fn destroy(&mut self) -> Output {
+        let o = self.tf(&["destroy", "-auto-approve", "-no-color", "-input=false"]);
+        assert_eq!(o.code, 0, "terraform destroy failed:\n{}", o.all());
+        self.applied = false;
+        o
+    }
+
+    /// The JSON of `terraform output -json`.
+    pub fn outputs(&self) -> Value {
+        let o = self.tf(&["output", "-json"]);
+        assert_eq!(o.code, 0, "terraform output failed:\n{}", o.all());
+        serde_json::from_str(&o.stdout).expect("output json")
+    }
+
+    /// The values of a resource in the state (`terraform show -json`).
+    pub fn resource(&self, address: &str) -> Value {
+        let o = self.tf(&["show", "-json"]);
+        assert_eq!(o.code, 0, "terraform show failed:\n{}", o.all());
+        let v: Value = serde_json::from_str(&o.stdout).expect("show json");
+        v["values"]["root_module"]["resources"]
+            .as_array()
+            .and_then(|rs| rs.iter().find(|r| r["address"] == address))
+            .map(|r| r["values"].clone())
+            .unwrap_or(Value::Null)
+    }
+
+    /// Forgets a resource and imports it again by name; the plan after must be empty.
+    pub fn reimport(&self, address: &str, name: &str) {
+        let o = self.tf(&["state", "rm", address]);
+        assert_eq!(o.code, 0, "state rm failed:\n{}", o.all());
+        let o = self.tf(&["import", "-no-color", "-input=false", address, name]);
+        assert_eq!(o.code, 0, "import of {address} failed:\n{}", o.all());
+        // `state rm` also drops the outputs that read the resource; the plan may
+        // restore those, but it must not change any resource.
+        let o = self.plan();
+        assert!(
+            o.code == 0 || (o.code == 2 && !o.stdout.contains("Plan:")),
+            "plan after importing {address} changes resources:\n{}",
+            o.all()
+        );
+    }
+
+    /// The store of this workspace.
+    pub fn store(&self) -> lbscale_engine::store::Store {
+        lbscale_engine::store::Store::open(&self.dir.join(".lbscale/state.db")).expect("open store")
+    }
+
+    /// Running (not zombie) processes whose command line mentions this workspace.
+    pub fn processes(&self) -> Vec<(u32, String)> {
+        let needle = self.dir.display().to_string();
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            let zombie = std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(true);
+            if cmd.contains(&needle) && !zombie && pid != std::process::id() {
+                out.push((pid, cmd));
+            }
+        }
+        out
+    }
+
+    /// Whether anything listens on `ip:port`.
+    pub fn listening(ip: &str, port: u16) -> bool {
+        let addr: SocketAddr = format!("{ip}:{port}").parse().unwrap();
+        TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_ok()
+    }
+
+    /// Asserts that destroy left nothing: no process, no listening socket at the
+    /// given addresses, no row in the store.
+    pub fn assert_nothing_left(&self, addresses: &[(String, u16)]) {
+        let procs = self.processes();
+        assert!(procs.is_empty(), "processes left after destroy: {procs:?}");
+        for (ip, port) in addresses {
+            assert!(
+                !Self::listening(ip, *port),
+                "{ip}:{port} still listening after destroy"
+            );
+        }
+        let store = self.store();
+        for table in [
+            "distributors",
+            "groups",
+            "se_groups",
+            "vservers",
+            "nodes",
+            "events",
+            "addresses",
+            "group_secrets",
+        ] {
+            let n = store.count_rows(table).unwrap();
+            assert_eq!(n, 0, "{n} row(s) left in {table} after destroy");
+        }
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        if self.applied {
+            let _ = self.tf(&["destroy", "-auto-approve", "-no-color", "-input=false"]);
+        }
+        for (pid, _) in self.processes() {
+            unsafe {
+                libc_kill(pid as i32, 9);
+            }
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// A backend HTTP server on 127.0.0.1 that answers every request with `name`
+/// in its body and an `x-backend` header. Runs until the test process ends.
+pub fn http_backend(name: &str) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let name = name.to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let name = name.clone();
+            std::thread::spawn(move || serve_http(stream, &name));
+        }
+    });
+    port
+}
+
+fn serve_http(mut s: TcpStream, name: &str) {
+    use std::io::{BufRead, BufReader, Write};
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut reader = BufReader::new(s.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut content_length = 0usize;
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == "\r\n" || h == "\n" {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    content_length = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0u8; content_length];
+        if content_length > 0 && std::io::Read::read_exact(&mut reader, &mut body).is_err() {
+            return;
+        }
+        let reply = format!("{name}\n");
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-backend: {name}\r\nconnection: keep-alive\r\n\r\n{reply}",
+            reply.len()
+        );
+        if s.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// A TCP backend on 127.0.0.1 that writes `name` then echoes what it reads.
+pub fn tcp_backend(name: &str) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let greeting = format!("{name}\n");
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let greeting = greeting.clone();
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let _ = stream.write_all(greeting.as_bytes());
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 || stream.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// One HTTP/1.1 GET to `ip:port` with `Host: host`; returns (status, headers, body).
+pub fn http_get(
+    ip: &str,
+    port: u16,
+    host: &str,
+) -> Result<(u16, Vec<(String, String)>, String), String> {
+    use std::io::{Read, Write};
+    let addr: SocketAddr = format!("{ip}:{port}").parse().map_err(|e| format!("{e}"))?;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)
+        .map_err(|e| format!("read from {addr}: {e}"))?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no HTTP response from {addr}: {text:?}"))?;
+    let mut lines = head.lines();
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("bad status line from {addr}"))?;
+    let headers = lines
+        .filter_map(|l| {
+            l.split_once(':')
+                .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        })
+        .collect();
+    Ok((status, headers, body.to_string()))
+}
+
+pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// A real DNS query with `dig` to the distributor's server: the A records.
+pub fn dig(server: &str, name: &str) -> Vec<String> {
+    let (ip, port) = server.rsplit_once(':').expect("IP:PORT");
+    let out = Command::new("dig")
+        .args([
+            &format!("@{ip}"),
+            "-p",
+            port,
+            name,
+            "A",
+            "+short",
+            "+time=2",
+            "+tries=2",
+        ])
+        .output()
+        .expect("run dig (apt-get install dnsutils)");
+    let mut v: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Polls `f` until it returns `Some`, at most `timeout`; panics naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The 1-based line of `needle` in the workspace's main.tf (to check that a
+/// diagnostic points at the right attribute).
+pub fn line_of(ws: &Workspace, needle: &str) -> usize {
+    let text = std::fs::read_to_string(ws.dir.join("main.tf")).unwrap();
+    text.lines()
+        .position(|l| l.contains(needle))
+        .map(|i| i + 1)
+        .unwrap_or_else(|| panic!("{needle:?} not in main.tf"))
+}
