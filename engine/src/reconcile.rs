@@ -168,18 +168,21 @@ impl Engine {
         self.publish(id).await
     }
 
+    /// Stops the distributor and forgets it. Groups that still name it keep
+    /// serving through their nodes; Terraform replaces a distributor by destroying
+    /// it before the groups move to the new one, so this is not refused. A group
+    /// left pointing at a distributor that is gone gets a plan-time error.
     pub async fn delete_distributor(&self, id: &str) -> Result<()> {
         let Some(row) = self.store.distributor(id)? else {
             return Ok(());
         };
-        let groups = self.store.groups_of_distributor(id)?;
-        if !groups.is_empty() {
-            let names: Vec<_> = groups.iter().map(|g| g.spec.name.as_str()).collect();
-            return Err(EngineError::InUse(format!(
-                "traffic distributor {:?} is still used by autoscale group(s) {}; destroy them first",
-                row.spec.name,
-                names.join(", ")
-            )));
+        for g in self.store.groups_of_distributor(id)? {
+            self.store.record_event(
+                &g.id,
+                None,
+                "distributor_removed",
+                &format!("traffic distributor {:?} destroyed", row.spec.name),
+            )?;
         }
         self.distributor_driver(&row.spec.cloud)?.remove(id).await?;
         self.store.delete_distributor(id)?;
@@ -233,11 +236,11 @@ impl Engine {
         Ok(p)
     }
 
+    /// Makes the distributor hand out what the store says now; a distributor
+    /// that is gone (destroyed for a replacement) has nothing left to update.
     async fn publish(&self, distributor_id: &str) -> Result<()> {
         let Some(row) = self.store.distributor(distributor_id)? else {
-            return Err(EngineError::NotFound(format!(
-                "traffic distributor {distributor_id}"
-            )));
+            return Ok(());
         };
         let publication = self.publication(distributor_id)?;
         self.distributor_driver(&row.spec.cloud)?

@@ -400,9 +400,11 @@ impl Resource for GroupResource {
         let Value::Value(mut s) = proposed else {
             return Some((proposed, Value::Null));
         };
-        check_cloud_built(diags, known(&s.cloud))?;
         apply_defaults(&mut s);
+        // The distributor's cloud first: "must equal the distributor's" is the
+        // more useful message when both apply.
         self.check_placement(diags, &s)?;
+        check_cloud_built(diags, known(&s.cloud))?;
         s.id = Value::Unknown;
         s.nodes = Value::Unknown;
         s.node_count = Value::Unknown;

@@ -1,0 +1,238 @@
+//! Every validation rule of the schema, through real Terraform: the diagnostic's
+//! text says what is allowed, and it points at the attribute's line.
+
+use lbscale_acceptance::*;
+
+const BASE: &str = r#"
+resource "lbscale_traffic_distributor" "d" {
+  name  = "val-nlb"
+  cloud = "local"
+  mode  = "nlb"
+}
+
+resource "lbscale_autoscale_group" "g" {
+  name                   = "val"
+  cloud                  = "local"
+  availability_zones     = ["az1", "az2"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  threshold {
+    metric = "cpu"
+    min    = 10
+    max    = 80
+  }
+}
+
+resource "lbscale_se_group" "s" {
+  name               = "val-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}
+"#;
+
+/// (marker on the offending line, text the diagnostic must contain)
+type Rule = (&'static str, &'static str);
+
+fn check(ws: &Workspace, out: &Output, rules: &[Rule], severity: &str) {
+    let diags = diagnostics(&out.all());
+    assert!(
+        !out.all().contains("stack backtrace") && !out.all().contains("panicked"),
+        "{}",
+        out.all()
+    );
+    for (marker, text) in rules {
+        let line = line_of(ws, marker);
+        let found = diags
+            .iter()
+            .find(|d| d.severity == severity && d.text.contains(text));
+        let d =
+            found.unwrap_or_else(|| panic!("no {severity} containing {text:?}; got:\n{diags:#?}"));
+        assert_eq!(
+            d.line,
+            Some(line),
+            "{text:?} should point at line {line} ({marker:?}): {d:?}"
+        );
+    }
+}
+
+#[test]
+fn schema_rules_are_refused_at_validate_with_the_attribute() {
+    let ws = Workspace::new("validate", 114);
+    ws.write(
+        r#"
+resource "lbscale_traffic_distributor" "bad" {
+  name  = "bad"
+  cloud = "openstack" # cloud
+  mode  = "anycast"   # mode
+  ttl   = "5 minutes" # ttl
+}
+
+resource "lbscale_traffic_distributor" "nodomain" {
+  name  = "nodomain"
+  cloud = "local"
+  mode  = "dns"       # nodomain
+}
+
+resource "lbscale_autoscale_group" "g" {
+  name                   = "g"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = "td-x"
+  min_nodes              = 5 # min_nodes
+  max_nodes              = 2
+  stats_interval         = "1m"
+  watch_time             = "90s" # watch_time
+  threshold {
+    metric = "cpu"
+    min    = 90 # cpu min
+    max    = 80
+  }
+  threshold {
+    metric = "cpu" # duplicate
+    min    = 10
+    max    = 20
+  }
+  threshold {
+    metric = "disk" # metric
+    min    = 1
+    max    = 2
+  }
+}
+
+resource "lbscale_se_group" "s" {
+  name                    = "s"
+  autoscale_group_id      = "asg-x"
+  scaling_mode            = "anycast" # scaling_mode
+  min_scaleout_per_vs     = 5 # scaleout
+  max_scaleout_per_vs     = 2
+  primary_forwarding_cost = 1.5 # cost
+  se_tunnel_mode          = 3 # tunnel
+}
+
+resource "lbscale_vserver" "v" {
+  name         = "v"
+  se_group_id  = "seg-x"
+  service_type = "SCTP" # service_type
+  port         = 70000 # port
+  lb_method    = "RANDOM" # lb_method
+  persistence  = "SESSION" # persistence
+  service {
+    name    = "a"
+    address = "127.0.0.1"
+    port    = 8080
+    weight  = 0 # weight
+  }
+  slow_start {
+    new_service_request = 5
+    unit                = "PER_MINUTE" # unit
+    increment_interval  = 5000 # interval
+  }
+}
+"#,
+    );
+    // RUST_BACKTRACE=1 as on many users' machines: diagnostics must stay clean.
+    let out = ws.tf_env(&["validate", "-no-color"], &[("RUST_BACKTRACE", "1")]);
+    assert_eq!(out.code, 1, "{}", out.all());
+    check(
+        &ws,
+        &out,
+        &[
+            ("# cloud", "cloud must be one of \"local\", \"aws\", \"azure\", \"gcp\", got \"openstack\""),
+            ("# mode", "mode must be one of \"dns\", \"nlb\", got \"anycast\""),
+            ("# ttl", "ttl must be a duration such as \"30s\", \"2m\" or \"1h30m\""),
+            ("resource \"lbscale_traffic_distributor\" \"nodomain\"", "domain is required with mode = \"dns\""),
+            ("# min_nodes", "min_nodes must be less than or equal to max_nodes, got min_nodes = 5 and max_nodes = 2"),
+            ("# watch_time", "watch_time must be a positive multiple of stats_interval (1m), got 90s"),
+            ("# cpu min", "threshold min must be below max for metric \"cpu\", got min = 90 and max = 80"),
+            ("# duplicate", "Only one threshold block per metric is allowed"),
+            ("# metric", "threshold.metric must be one of \"cpu\", \"memory\", \"throughput\", got \"disk\""),
+            ("# scaling_mode", "scaling_mode must be one of \"native\", \"bgp\", \"native_and_bgp\""),
+            ("# scaleout", "min_scaleout_per_vs must be less than or equal to max_scaleout_per_vs"),
+            ("# cost", "primary_forwarding_cost must be between 0 and 1 (both excluded), got 1.5"),
+            ("# tunnel", "se_tunnel_mode must be between 0 and 2, got 3"),
+            ("# service_type", "service_type must be one of \"HTTP\", \"TCP\", \"UDP\", got \"SCTP\""),
+            ("# port", "port must be between 1 and 65535, got 70000"),
+            ("# lb_method", "lb_method must be one of \"ROUNDROBIN\", \"LEASTCONNECTION\""),
+            ("# persistence", "persistence must be one of \"NONE\", \"COOKIE\", \"SOURCEIP\", got \"SESSION\""),
+            ("# weight", "service.weight must be between 1 and 100, got 0"),
+            ("# unit", "slow_start.unit must be one of \"PER_SECOND\", \"PERCENT\", got \"PER_MINUTE\""),
+            ("# interval", "slow_start.increment_interval must be between 0 and 3600, got 5000"),
+        ],
+        "error",
+    );
+}
+
+#[test]
+fn placement_rules_are_checked_at_plan_against_the_store() {
+    let mut ws = Workspace::new("placement", 115);
+    ws.write(BASE);
+    ws.apply();
+
+    ws.write(&format!(
+        r#"{BASE}
+resource "lbscale_vserver" "udp" {{
+  name         = "dns-app"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "UDP" # udp
+  port         = 5353
+  service {{
+    name    = "a"
+    address = "127.0.0.1"
+    port    = 53
+  }}
+}}
+
+resource "lbscale_vserver" "sticky" {{
+  name         = "sticky"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  persistence  = "SOURCEIP" # sourceip
+  service {{
+    name    = "a"
+    address = "127.0.0.1"
+    port    = 8081
+  }}
+}}
+
+resource "lbscale_autoscale_group" "other" {{
+  name                   = "other"
+  cloud                  = "gcp" # cloud
+  availability_zones     = ["az1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  threshold {{
+    metric = "memory"
+    min    = 10
+    max    = 80
+  }}
+}}
+"#
+    ));
+    let out = ws.tf_env(&["plan", "-no-color"], &[("RUST_BACKTRACE", "1")]);
+    assert_eq!(out.code, 1, "{}", out.all());
+    check(
+        &ws,
+        &out,
+        &[("# udp", "UDP applications need a dns traffic distributor")],
+        "error",
+    );
+    check(
+        &ws,
+        &out,
+        &[(
+            "# cloud",
+            "cloud must equal the traffic distributor's cloud (\"local\"), got \"gcp\"",
+        )],
+        "error",
+    );
+    check(
+        &ws,
+        &out,
+        &[(
+            "# sourceip",
+            "Only COOKIE persistence works across AZ clusters",
+        )],
+        "warning",
+    );
+    ws.write(BASE);
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
