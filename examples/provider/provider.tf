@@ -1,0 +1,31 @@
+terraform {
+  required_version = ">= 1.0"
+  required_providers {
+    lbscale = {
+      source = "lbscale/lbscale"
+    }
+  }
+}
+
+provider "lbscale" {
+  # The store that the provider (and, later, the daemon) keeps specs, nodes and
+  # events in. A relative path is taken from Terraform's working directory.
+  state = "sqlite://.lbscale/state.db"
+
+  # The local cloud: every node is an lbscale-node process on its own loopback
+  # address, the dns distributor an authoritative DNS server process and the nlb
+  # distributor an L4 forwarder with one VIP per availability zone.
+  local {
+    address_prefix = "127.0." # nodes get 127.0.x.y
+    dns_port       = 10053    # port of the dns distributors' servers
+    node_api_port  = 9990     # management API port on every node
+    # node_binary  = "/usr/local/bin/lbscale-node" # default: next to the provider, then PATH
+  }
+
+  # Cloud blocks are accepted so that one module serves every cloud, but their
+  # drivers are not built yet: a resource with cloud = "aws", "azure" or "gcp"
+  # is refused at plan time.
+  # aws {
+  #   region = "eu-west-1"
+  # }
+}

@@ -1,0 +1,142 @@
+# lbscale quickstart: an autoscaled fleet of load-balancer nodes on this machine.
+#
+# Run it with ./scripts/quickstart.sh, which builds the provider, starts three
+# backends on 127.0.0.1:18101-18103, applies this configuration, sends requests
+# through the fleet and destroys it again.
+#
+# What it creates (the `local` cloud: every node is a real `lbscale-node`
+# process on its own loopback address):
+#   - a `dns` traffic distributor: an authoritative DNS server for
+#     app.lbscale.test that answers with the address of every serving node;
+#   - an autoscale group with one cluster in each of two availability zones,
+#     1 to 3 nodes per zone, scaled on CPU and memory;
+#   - an SE group and an HTTP vserver on port 8080 that round-robins over the
+#     backends.
+
+terraform {
+  required_version = ">= 1.0"
+  required_providers {
+    lbscale = {
+      source = "lbscale/lbscale"
+    }
+  }
+}
+
+variable "address_prefix" {
+  description = "Loopback prefix that node and distributor addresses are taken from."
+  type        = string
+  default     = "127.0."
+}
+
+variable "node_binary" {
+  description = "Path of lbscale-node; null: next to the provider, then PATH."
+  type        = string
+  default     = null
+}
+
+variable "backend_ports" {
+  description = "Ports of the HTTP backends on 127.0.0.1 (started by scripts/quickstart.sh)."
+  type        = list(number)
+  default     = [18101, 18102, 18103]
+}
+
+provider "lbscale" {
+  # The store shared with the daemon; this is the default.
+  state = "sqlite://.lbscale/state.db"
+
+  local {
+    address_prefix = var.address_prefix
+    node_binary    = var.node_binary
+  }
+}
+
+resource "lbscale_traffic_distributor" "dns" {
+  name   = "quickstart-dns"
+  cloud  = "local"
+  mode   = "dns"
+  domain = "app.lbscale.test"
+  ttl    = "5s"
+}
+
+resource "lbscale_autoscale_group" "web" {
+  name                   = "quickstart"
+  cloud                  = "local"
+  availability_zones     = ["az1", "az2"]
+  traffic_distributor_id = lbscale_traffic_distributor.dns.id
+
+  min_nodes = 1
+  max_nodes = 3
+
+  stats_interval = "10s"
+  watch_time     = "30s"
+  cooldown       = "1m"
+  drain_timeout  = "10s"
+  apply_timeout  = "2m"
+
+  threshold {
+    metric = "cpu"
+    min    = 20
+    max    = 80
+  }
+
+  threshold {
+    metric = "memory"
+    min    = 30
+    max    = 85
+  }
+
+  node {
+    memory_limit_mb = 256
+  }
+}
+
+resource "lbscale_se_group" "web" {
+  name               = "quickstart"
+  autoscale_group_id = lbscale_autoscale_group.web.id
+}
+
+resource "lbscale_vserver" "web" {
+  name         = "web"
+  se_group_id  = lbscale_se_group.web.id
+  service_type = "HTTP"
+  port         = 8080
+  lb_method    = "ROUNDROBIN"
+
+  dynamic "service" {
+    for_each = var.backend_ports
+    content {
+      name    = "backend-${service.key + 1}"
+      address = "127.0.0.1"
+      port    = service.value
+    }
+  }
+
+  slow_start {
+    new_service_request = 5
+    unit                = "PER_SECOND"
+    increment_interval  = 10
+  }
+}
+
+output "dns_server" {
+  description = "Address (IP:PORT) of the distributor's DNS server."
+  value       = lbscale_traffic_distributor.dns.address["dns"]
+}
+
+output "nodes" {
+  description = "The group's nodes right after apply."
+  value = [
+    for n in lbscale_autoscale_group.web.nodes :
+    "${n.id} ${n.availability_zone} ${n.private_ip} ${n.state}"
+  ]
+}
+
+output "node_addresses" {
+  description = "Private addresses of the group's nodes."
+  value       = [for n in lbscale_autoscale_group.web.nodes : n.private_ip]
+}
+
+output "vip" {
+  description = "Where clients reach the vserver in each AZ."
+  value       = lbscale_vserver.web.vip
+}
