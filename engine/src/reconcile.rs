@@ -570,6 +570,107 @@ impl Engine {
         Ok(())
     }
 
+    /// The scale-out workflow for one AZ (what the daemon runs when a breach is
+    /// confirmed): provision a node, join it (push every vserver), register it in
+    /// the store and add its address to the distributor. Refused at max_nodes.
+    /// Returns the new node's id.
+    pub async fn scale_out(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
+        let group = self
+            .store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let deadline = Instant::now() + group.spec.apply_timeout();
+        let lease = self.lease(group_id, deadline).await?;
+        let out = async {
+            let members = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .filter(|n| n.az == az && n.state.is_member())
+                .count() as i64;
+            if !group.spec.availability_zones.iter().any(|z| z == az)
+                || members >= group.spec.max_nodes
+            {
+                return Err(EngineError::Step {
+                    step: "scale out",
+                    detail: format!(
+                        "{az} has {members} node(s), max_nodes is {} (or the AZ is not declared)",
+                        group.spec.max_nodes
+                    ),
+                });
+            }
+            self.store
+                .record_event(group_id, Some(az), "scale_out", reason)?;
+            let before: Vec<String> = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .map(|n| n.id)
+                .collect();
+            // Level-triggered: provisioning one more node and reconciling joins,
+            // configures and registers it like any other.
+            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            self.provision(&group, az, &token, deadline).await?;
+            self.reconcile_locked(&group, deadline).await?;
+            let added = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .find(|n| !before.contains(&n.id));
+            added.map(|n| n.id).ok_or_else(|| EngineError::Step {
+                step: "scale out",
+                detail: "the new node disappeared".into(),
+            })
+        }
+        .await;
+        let _ = self.store.release_lease(&lease);
+        out
+    }
+
+    /// The scale-in workflow for one AZ: the newest node leaves (out of the
+    /// distributor, one TTL, drain, deprovision). Refused at min_nodes.
+    pub async fn scale_in_one(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
+        let group = self
+            .store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let deadline = Instant::now()
+            + group.spec.drain_timeout()
+            + self.ttl_of(&group.spec)?
+            + Duration::from_secs(60);
+        let lease = self.lease(group_id, deadline).await?;
+        let out = async {
+            let members: Vec<NodeRow> = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .filter(|n| n.az == az && n.state.is_member())
+                .collect();
+            if members.len() as i64 <= group.spec.min_nodes {
+                return Err(EngineError::Step {
+                    step: "scale in",
+                    detail: format!(
+                        "{az} has {} node(s), min_nodes is {}",
+                        members.len(),
+                        group.spec.min_nodes
+                    ),
+                });
+            }
+            // Nodes are in creation order: the newest leaves.
+            let leaving = members
+                .last()
+                .cloned()
+                .expect("more than min_nodes members");
+            let id = leaving.id.clone();
+            self.scale_in(&group, vec![leaving], deadline, reason)
+                .await?;
+            Ok(id)
+        }
+        .await;
+        let _ = self.store.release_lease(&lease);
+        out
+    }
+
     async fn provision(
         &self,
         group: &Row<GroupSpec>,

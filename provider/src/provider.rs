@@ -1,7 +1,7 @@
 //! The `lbscale` provider: where the store is, and how each cloud is reached.
 
 use crate::common::*;
-use crate::data_sources::group::GroupDataSource;
+use crate::data_sources::{group::GroupDataSource, simulation::SimulationDataSource};
 use crate::resources::{
     distributor::DistributorResource, group::GroupResource, se_group::SeGroupResource,
     vserver::VserverResource,
@@ -223,9 +223,16 @@ impl Provider for LbscaleProvider {
         &self,
         _diags: &mut Diagnostics,
     ) -> Option<HashMap<String, Box<dyn DynamicDataSource>>> {
-        Some(HashMap::from([(
-            "autoscale_group".to_string(), // tf-provider prefixes "lbscale_"
-            Box::new(GroupDataSource(self.engine.clone())) as Box<dyn DynamicDataSource>,
-        )]))
+        // tf-provider prefixes these names with "lbscale_".
+        Some(HashMap::from([
+            (
+                "autoscale_group".to_string(),
+                Box::new(GroupDataSource(self.engine.clone())) as Box<dyn DynamicDataSource>,
+            ),
+            (
+                "scaling_simulation".to_string(),
+                Box::new(SimulationDataSource) as Box<dyn DynamicDataSource>,
+            ),
+        ]))
     }
 }

@@ -1,3 +1,4 @@
 //! Data sources.
 
 pub mod group;
+pub mod simulation;
