@@ -82,9 +82,27 @@ fn candidates(prefix: &str) -> Box<dyn Iterator<Item = String>> {
     }
 }
 
-/// An address nobody else on the machine is using (another store, another program).
-fn port_free(ip: &str, port: u16) -> bool {
-    std::net::TcpListener::bind((ip, port)).is_ok()
+/// An address nobody else on the machine is using: no socket of any program (of
+/// another store, say) is bound to it, and `port` can be bound on it.
+fn address_free(ip: &str, port: u16) -> bool {
+    !address_bound(ip) && std::net::TcpListener::bind((ip, port)).is_ok()
+}
+
+/// Whether any TCP or UDP socket is bound to `ip` (from /proc/net, where an IPv4
+/// address is the little-endian hex of its four bytes).
+fn address_bound(ip: &str) -> bool {
+    let Ok(addr) = ip.parse::<std::net::Ipv4Addr>() else { return false };
+    let hex = format!("{:08X}", u32::from_le_bytes(addr.octets()));
+    ["/proc/net/tcp", "/proc/net/udp"].iter().any(|table| {
+        std::fs::read_to_string(table)
+            .map(|text| {
+                text.lines()
+                    .skip(1)
+                    .filter_map(|l| l.split_whitespace().nth(1))
+                    .any(|local| local.split(':').next() == Some(hex.as_str()))
+            })
+            .unwrap_or(false)
+    })
 }
 
 pub fn find_node_binary(explicit: Option<&Path>) -> std::result::Result<PathBuf, String> {
@@ -160,7 +178,7 @@ impl LocalCloud {
     fn reserve(&self, owner: &str, port: u16) -> Result<String> {
         self.store
             .reserve_address(owner, candidates(&self.settings.address_prefix), |a| {
-                port_free(a, port)
+                address_free(a, port)
             })
             .map_err(|e| CloudError::Failed(e.to_string()))?
             .ok_or_else(|| {
@@ -612,6 +630,16 @@ mod tests {
         for bad in ["10.0.", "127.0", "127.0.0.0.", "127.300.", ""] {
             assert!(check_address_prefix(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_bound_address_is_seen_as_taken() {
+        let l = std::net::UdpSocket::bind("127.62.9.9:0").unwrap();
+        assert!(address_bound("127.62.9.9"));
+        assert!(!address_free("127.62.9.9", 9990));
+        drop(l);
+        assert!(!address_bound("127.62.9.9"));
+        assert!(address_free("127.62.9.9", 9990));
     }
 
     #[test]
