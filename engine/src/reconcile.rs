@@ -290,14 +290,17 @@ impl Engine {
         }
     }
 
-    pub async fn create_group(&self, spec: &GroupSpec) -> Result<String> {
+    /// Declares the group in the store (after the store-backed checks) and
+    /// returns its id; [`Engine::reconcile_group`] then brings it up. Two steps,
+    /// so that a group whose bring-up fails is still known (and can be retried
+    /// or destroyed) rather than orphaned.
+    pub fn declare_group(&self, spec: &GroupSpec) -> Result<String> {
         Self::reject(self.check_group(spec)?)?;
         self.cloud(&spec.cloud)?;
         let id = new_id("asg");
         self.store.insert_group(&id, spec, &new_token())?;
         self.store
             .record_event(&id, None, "group_created", "declared by terraform apply")?;
-        self.reconcile_group(&id).await?;
         Ok(id)
     }
 
@@ -505,7 +508,7 @@ impl Engine {
                 })
                 .count() as i64;
             for _ in have..spec.min_nodes {
-                self.provision(group, az, &token, deadline).await?;
+                self.provision(group, az, &token).await?;
             }
         }
 
@@ -610,7 +613,7 @@ impl Engine {
             // Level-triggered: provisioning one more node and reconciling joins,
             // configures and registers it like any other.
             let token = self.store.group_token(group_id)?.unwrap_or_default();
-            self.provision(&group, az, &token, deadline).await?;
+            self.provision(&group, az, &token).await?;
             self.reconcile_locked(&group, deadline).await?;
             let added = self
                 .store
@@ -671,13 +674,7 @@ impl Engine {
         out
     }
 
-    async fn provision(
-        &self,
-        group: &Row<GroupSpec>,
-        az: &str,
-        token: &str,
-        deadline: Instant,
-    ) -> Result<()> {
+    async fn provision(&self, group: &Row<GroupSpec>, az: &str, token: &str) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(&spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
@@ -709,22 +706,16 @@ impl Engine {
             memory_limit_mb: spec.memory_limit_mb(),
             token: token.to_string(),
         };
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let p = match tokio::time::timeout(remaining, cloud.provision(&req)).await {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => {
+        // Not cut short by the apply deadline: a node that exists must be recorded,
+        // or it would be orphaned. The driver bounds its own start-up wait.
+        let p = match cloud.provision(&req).await {
+            Ok(p) => p,
+            Err(e) => {
                 self.store.delete_node(&node_id)?;
                 return Err(EngineError::Step {
                     step: "provision node",
                     detail: e.to_string(),
                 });
-            }
-            Err(_) => {
-                return Err(EngineError::Timeout {
-                    step: "provision node",
-                    after_s: 0,
-                    detail: format!("node {node_id} in {az} was not up"),
-                })
             }
         };
         row.private_ip = p.private_ip;

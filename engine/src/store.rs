@@ -72,7 +72,7 @@ pub enum StoreError {
     Corrupt { path: PathBuf, detail: String },
     #[error("the store at {path} has schema version {found}, newer than this lbscale understands ({SCHEMA_VERSION}); upgrade lbscale. The store was left untouched")]
     TooNew { path: PathBuf, found: i64 },
-    #[error("the store is locked by another process (waited 10s for it): {0}")]
+    #[error("the store is locked by another process; gave up waiting for its lock after the busy timeout: {0}")]
     Locked(String),
     #[error("store: {0}")]
     Sql(String),
@@ -228,6 +228,12 @@ impl Store {
     }
 
     pub fn open(path: &Path) -> Result<Store> {
+        Store::open_with_busy_timeout(path, BUSY_TIMEOUT)
+    }
+
+    /// Opens the store; a call waits at most `busy_timeout` for another
+    /// process's lock before failing with [`StoreError::Locked`].
+    pub fn open_with_busy_timeout(path: &Path, busy_timeout: Duration) -> Result<Store> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| StoreError::Open {
                 path: path.to_path_buf(),
@@ -242,7 +248,7 @@ impl Store {
         if !existed {
             restrict_to_owner(path);
         }
-        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.busy_timeout(busy_timeout)?;
         let corrupt = |e: rusqlite::Error| StoreError::Corrupt {
             path: path.to_path_buf(),
             detail: e.to_string(),
@@ -1041,6 +1047,29 @@ mod tests {
         assert!(std::fs::read(&p)
             .unwrap()
             .starts_with(b"this is not sqlite"));
+    }
+
+    #[test]
+    fn a_locked_store_gives_a_clear_error_and_loses_nothing() {
+        let p = tmp();
+        let s = Store::open_with_busy_timeout(&p, Duration::from_millis(200)).unwrap();
+        s.record_event("g", None, "before", "kept").unwrap();
+        let mut other = Connection::open(&p).unwrap();
+        let tx = other
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
+        let err = s
+            .acquire_lease("g", "me", Duration::from_secs(5))
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Locked(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("locked by another process"),
+            "{err}"
+        );
+        drop(tx);
+        // Once the other writer is gone, the same call works and nothing was lost.
+        s.acquire_lease("g", "me", Duration::from_secs(5)).unwrap();
+        assert_eq!(s.events_of_group("g", 10).unwrap().len(), 1);
     }
 
     #[test]

@@ -91,7 +91,9 @@ fn address_free(ip: &str, port: u16) -> bool {
 /// Whether any TCP or UDP socket is bound to `ip` (from /proc/net, where an IPv4
 /// address is the little-endian hex of its four bytes).
 fn address_bound(ip: &str) -> bool {
-    let Ok(addr) = ip.parse::<std::net::Ipv4Addr>() else { return false };
+    let Ok(addr) = ip.parse::<std::net::Ipv4Addr>() else {
+        return false;
+    };
     let hex = format!("{:08X}", u32::from_le_bytes(addr.octets()));
     ["/proc/net/tcp", "/proc/net/udp"].iter().any(|table| {
         std::fs::read_to_string(table)
@@ -274,6 +276,12 @@ impl Cloud for LocalCloud {
         let h: NodeHandle = serde_json::from_value(node.handle.clone()).unwrap_or_default();
         if h.pid != 0 {
             stop_process(h.pid, &node.id).await;
+        } else {
+            // A crash between starting the process and recording its pid: find
+            // it by its node id, so that it is not orphaned.
+            for pid in processes_marked(&node.id) {
+                stop_process(pid, &node.id).await;
+            }
         }
         if h.dir.starts_with(&self.root) && h.dir.exists() {
             let _ = std::fs::remove_dir_all(&h.dir);
@@ -564,6 +572,17 @@ pub fn process_alive(pid: u32, marker: &str) -> bool {
             .unwrap_or(false),
         Err(_) => false,
     }
+}
+
+/// Running processes whose command line contains `marker`.
+fn processes_marked(marker: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != std::process::id() && process_alive(*pid, marker))
+        .collect()
 }
 
 /// SIGTERM, then SIGKILL after the grace period; returns once the process is gone.

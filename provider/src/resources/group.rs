@@ -476,13 +476,22 @@ impl Resource for GroupResource {
             return None;
         };
         let engine = engine(&self.0, diags)?;
-        match engine.create_group(&spec_of(s)).await {
-            Ok(id) => Some((self.observe(diags, &id)?, p)),
+        let id = match engine.declare_group(&spec_of(s)) {
+            Ok(id) => id,
             Err(e) => {
                 engine_error(diags, "create autoscale group", e);
-                None
+                return None;
             }
+        };
+        let brought_up = engine.reconcile_group(&id).await;
+        let state = self.observe(diags, &id)?;
+        if let Err(e) = brought_up {
+            // The group and its nodes exist: hand the state back with the error,
+            // so that Terraform records the group as tainted and the next apply
+            // replaces it, instead of forgetting what was created.
+            engine_error(diags, "create autoscale group", e);
         }
+        Some((state, p))
     }
 
     async fn update<'a>(

@@ -211,3 +211,80 @@ extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
+
+#[test]
+fn an_apply_that_times_out_names_the_step_and_the_next_apply_recovers() {
+    let mut ws = Workspace::new("timeout", 119);
+    let body = |timeout: &str| {
+        config("slow", 1, 2, "10m").replace(
+            "drain_timeout          = \"5s\"",
+            &format!("drain_timeout          = \"5s\"\n  apply_timeout          = \"{timeout}\""),
+        )
+    };
+    ws.write(&body("1ms"));
+    let o = ws.tf(&["apply", "-auto-approve", "-no-color"]);
+    assert_eq!(o.code, 1, "{}", o.all());
+    let diags = diagnostics(&o.all());
+    assert!(
+        diags.iter().any(|d| d.text.contains("timed out after")
+            && d.text
+                .contains("at step \"wait for the node to be active\"")),
+        "{diags:#?}"
+    );
+    // The group was created (its nodes exist): Terraform keeps it, tainted.
+    let o = ws.tf(&["state", "list"]);
+    assert!(
+        o.stdout.contains("lbscale_autoscale_group.g"),
+        "{}",
+        o.all()
+    );
+    let o = ws.plan();
+    assert!(
+        o.stdout.contains("is tainted, so must be replaced"),
+        "{}",
+        o.all()
+    );
+
+    ws.write(&body("2m"));
+    ws.apply();
+    ws.assert_plan_empty("recovering from a timeout");
+    let g = ws.resource("lbscale_autoscale_group.g");
+    assert_eq!(g["node_count"], 2);
+    assert_eq!(
+        ws.store().count_rows("groups").unwrap(),
+        1,
+        "the tainted group was removed"
+    );
+
+    // The node API token lives in the store only: never in Terraform's state,
+    // never in a log.
+    let token = ws
+        .store()
+        .group_token(g["id"].as_str().unwrap())
+        .unwrap()
+        .unwrap();
+    let state = std::fs::read_to_string(ws.dir.join("terraform.tfstate")).unwrap();
+    assert!(
+        !state.contains(&token),
+        "the token leaked into terraform.tfstate"
+    );
+    let mut logs = String::new();
+    for dir in ["nodes", "distributors"] {
+        for d in std::fs::read_dir(ws.dir.join(".lbscale/local").join(dir))
+            .unwrap()
+            .flatten()
+        {
+            for f in std::fs::read_dir(d.path()).unwrap().flatten() {
+                if f.path().extension().is_some_and(|x| x == "log") {
+                    logs.push_str(&std::fs::read_to_string(f.path()).unwrap());
+                }
+            }
+        }
+    }
+    assert!(
+        !logs.is_empty() && !logs.contains(&token),
+        "the token leaked into a log"
+    );
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}

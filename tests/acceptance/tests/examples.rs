@@ -19,7 +19,10 @@ fn every_example_validates() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
     let mut dirs = Vec::new();
     example_dirs(&root, &mut dirs);
-    assert!(dirs.len() >= 7, "expected an example per resource and data source, found {dirs:?}");
+    assert!(
+        dirs.len() >= 7,
+        "expected an example per resource and data source, found {dirs:?}"
+    );
     let ws = Workspace::new("examples", 118);
     for dir in dirs {
         for f in std::fs::read_dir(ws.dir.clone()).unwrap().flatten() {
@@ -33,6 +36,12 @@ fn every_example_validates() {
             }
         }
         let o = ws.tf(&["validate", "-no-color"]);
-        assert_eq!(o.code, 0, "{} does not validate:\n{}", dir.display(), o.all());
+        assert_eq!(
+            o.code,
+            0,
+            "{} does not validate:\n{}",
+            dir.display(),
+            o.all()
+        );
     }
 }
