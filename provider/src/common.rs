@@ -85,6 +85,31 @@ pub fn report(diags: &mut Diagnostics, findings: Findings) -> Option<()> {
     (!failed).then_some(())
 }
 
+/// The value, or the engine's error added as a diagnostic (`None`).
+pub fn done<T>(diags: &mut Diagnostics, what: &str, result: Result<T, EngineError>) -> Option<T> {
+    result.map_err(|e| engine_error(diags, what, e)).ok()
+}
+
+/// The id of the object that `terraform import` names; the import id is the name.
+pub fn import_id(
+    diags: &mut Diagnostics,
+    kind: &str,
+    name: &str,
+    found: Result<Option<String>, lbscale_engine::store::StoreError>,
+) -> Option<String> {
+    match done(
+        diags,
+        &format!("import {kind}"),
+        found.map_err(EngineError::from),
+    )? {
+        Some(id) => Some(id),
+        None => {
+            import_not_found(diags, kind, name);
+            None
+        }
+    }
+}
+
 pub fn engine_error(diags: &mut Diagnostics, what: &str, e: EngineError) {
     match e {
         EngineError::Invalid(f) => add_finding(diags, f),

@@ -221,13 +221,12 @@ impl Resource for DistributorResource {
             return None;
         };
         let engine = engine(&self.0, diags)?;
-        match engine.create_distributor(&spec_of(s)).await {
-            Ok(id) => Some((self.observe(diags, &id)?, p)),
-            Err(e) => {
-                engine_error(diags, "create traffic distributor", e);
-                None
-            }
-        }
+        let id = done(
+            diags,
+            "create traffic distributor",
+            engine.create_distributor(&spec_of(s)).await,
+        )?;
+        Some((self.observe(diags, &id)?, p))
     }
 
     async fn update<'a>(
@@ -245,10 +244,11 @@ impl Resource for DistributorResource {
         };
         let engine = engine(&self.0, diags)?;
         let id = string(&prior.id);
-        if let Err(e) = engine.update_distributor(&id, &spec_of(s)).await {
-            engine_error(diags, "update traffic distributor", e);
-            return None;
-        }
+        done(
+            diags,
+            "update traffic distributor",
+            engine.update_distributor(&id, &spec_of(s)).await,
+        )?;
         Some((self.observe(diags, &id)?, p))
     }
 
@@ -263,13 +263,11 @@ impl Resource for DistributorResource {
             return Some(());
         };
         let engine = engine(&self.0, diags)?;
-        match engine.delete_distributor(&string(&prior.id)).await {
-            Ok(()) => Some(()),
-            Err(e) => {
-                engine_error(diags, "destroy traffic distributor", e);
-                None
-            }
-        }
+        done(
+            diags,
+            "destroy traffic distributor",
+            engine.delete_distributor(&string(&prior.id)).await,
+        )
     }
 
     async fn import<'a>(
@@ -278,16 +276,15 @@ impl Resource for DistributorResource {
         name: String,
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
         let engine = engine(&self.0, diags)?;
-        match engine.store.distributor_by_name(&name) {
-            Ok(Some(row)) => Some((self.observe(diags, &row.id)?, Value::Null)),
-            Ok(None) => {
-                import_not_found(diags, "traffic distributor", &name);
-                None
-            }
-            Err(e) => {
-                engine_error(diags, "import traffic distributor", e.into());
-                None
-            }
-        }
+        let id = import_id(
+            diags,
+            "traffic distributor",
+            &name,
+            engine
+                .store
+                .distributor_by_name(&name)
+                .map(|r| r.map(|r| r.id)),
+        )?;
+        Some((self.observe(diags, &id)?, Value::Null))
     }
 }

@@ -306,13 +306,12 @@ impl GroupResource {
             return Some(());
         }
         let engine = engine(&self.0, diags)?;
-        match engine.check_group(&spec_of(s)) {
-            Ok(f) => report(diags, f),
-            Err(e) => {
-                engine_error(diags, "check autoscale group", e);
-                None
-            }
-        }
+        let findings = done(
+            diags,
+            "check autoscale group",
+            engine.check_group(&spec_of(s)),
+        )?;
+        report(diags, findings)
     }
 }
 
@@ -509,10 +508,11 @@ impl Resource for GroupResource {
         };
         let engine = engine(&self.0, diags)?;
         let id = string(&prior.id);
-        if let Err(e) = engine.update_group(&id, &spec_of(s)).await {
-            engine_error(diags, "update autoscale group", e);
-            return None;
-        }
+        done(
+            diags,
+            "update autoscale group",
+            engine.update_group(&id, &spec_of(s)).await,
+        )?;
         Some((self.observe(diags, &id)?, p))
     }
 
@@ -527,13 +527,11 @@ impl Resource for GroupResource {
             return Some(());
         };
         let engine = engine(&self.0, diags)?;
-        match engine.delete_group(&string(&prior.id)).await {
-            Ok(()) => Some(()),
-            Err(e) => {
-                engine_error(diags, "destroy autoscale group", e);
-                None
-            }
-        }
+        done(
+            diags,
+            "destroy autoscale group",
+            engine.delete_group(&string(&prior.id)).await,
+        )
     }
 
     async fn import<'a>(
@@ -542,16 +540,12 @@ impl Resource for GroupResource {
         name: String,
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
         let engine = engine(&self.0, diags)?;
-        match engine.store.group_by_name(&name) {
-            Ok(Some(row)) => Some((self.observe(diags, &row.id)?, Value::Null)),
-            Ok(None) => {
-                import_not_found(diags, "autoscale group", &name);
-                None
-            }
-            Err(e) => {
-                engine_error(diags, "import autoscale group", e.into());
-                None
-            }
-        }
+        let id = import_id(
+            diags,
+            "autoscale group",
+            &name,
+            engine.store.group_by_name(&name).map(|r| r.map(|r| r.id)),
+        )?;
+        Some((self.observe(diags, &id)?, Value::Null))
     }
 }

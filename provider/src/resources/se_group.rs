@@ -154,13 +154,8 @@ impl SeGroupResource {
             return Some(());
         }
         let engine = engine(&self.0, diags)?;
-        match engine.check_se_group(&spec_of(s)) {
-            Ok(f) => report(diags, f),
-            Err(e) => {
-                engine_error(diags, "check SE group", e);
-                None
-            }
-        }
+        let findings = done(diags, "check SE group", engine.check_se_group(&spec_of(s)))?;
+        report(diags, findings)
     }
 }
 
@@ -268,13 +263,12 @@ impl Resource for SeGroupResource {
             return None;
         };
         let engine = engine(&self.0, diags)?;
-        match engine.create_se_group(&spec_of(s)).await {
-            Ok(id) => Some((self.observe(diags, &id)?, p)),
-            Err(e) => {
-                engine_error(diags, "create SE group", e);
-                None
-            }
-        }
+        let id = done(
+            diags,
+            "create SE group",
+            engine.create_se_group(&spec_of(s)).await,
+        )?;
+        Some((self.observe(diags, &id)?, p))
     }
 
     async fn update<'a>(
@@ -292,10 +286,11 @@ impl Resource for SeGroupResource {
         };
         let engine = engine(&self.0, diags)?;
         let id = string(&prior.id);
-        if let Err(e) = engine.update_se_group(&id, &spec_of(s)).await {
-            engine_error(diags, "update SE group", e);
-            return None;
-        }
+        done(
+            diags,
+            "update SE group",
+            engine.update_se_group(&id, &spec_of(s)).await,
+        )?;
         Some((self.observe(diags, &id)?, p))
     }
 
@@ -310,13 +305,11 @@ impl Resource for SeGroupResource {
             return Some(());
         };
         let engine = engine(&self.0, diags)?;
-        match engine.delete_se_group(&string(&prior.id)).await {
-            Ok(()) => Some(()),
-            Err(e) => {
-                engine_error(diags, "destroy SE group", e);
-                None
-            }
-        }
+        done(
+            diags,
+            "destroy SE group",
+            engine.delete_se_group(&string(&prior.id)).await,
+        )
     }
 
     async fn import<'a>(
@@ -325,16 +318,15 @@ impl Resource for SeGroupResource {
         name: String,
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
         let engine = engine(&self.0, diags)?;
-        match engine.store.se_group_by_name(&name) {
-            Ok(Some(row)) => Some((self.observe(diags, &row.id)?, Value::Null)),
-            Ok(None) => {
-                import_not_found(diags, "SE group", &name);
-                None
-            }
-            Err(e) => {
-                engine_error(diags, "import SE group", e.into());
-                None
-            }
-        }
+        let id = import_id(
+            diags,
+            "SE group",
+            &name,
+            engine
+                .store
+                .se_group_by_name(&name)
+                .map(|r| r.map(|r| r.id)),
+        )?;
+        Some((self.observe(diags, &id)?, Value::Null))
     }
 }

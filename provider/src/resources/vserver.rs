@@ -281,13 +281,8 @@ impl VserverResource {
             return Some(());
         }
         let engine = engine(&self.0, diags)?;
-        match engine.check_vserver(&spec_of(s)) {
-            Ok(f) => report(diags, f),
-            Err(e) => {
-                engine_error(diags, "check vserver", e);
-                None
-            }
-        }
+        let findings = done(diags, "check vserver", engine.check_vserver(&spec_of(s)))?;
+        report(diags, findings)
     }
 }
 
@@ -428,13 +423,12 @@ impl Resource for VserverResource {
             return None;
         };
         let engine = engine(&self.0, diags)?;
-        match engine.create_vserver(&spec_of(s)).await {
-            Ok(id) => Some((self.observe(diags, &id)?, p)),
-            Err(e) => {
-                engine_error(diags, "create vserver", e);
-                None
-            }
-        }
+        let id = done(
+            diags,
+            "create vserver",
+            engine.create_vserver(&spec_of(s)).await,
+        )?;
+        Some((self.observe(diags, &id)?, p))
     }
 
     async fn update<'a>(
@@ -452,10 +446,11 @@ impl Resource for VserverResource {
         };
         let engine = engine(&self.0, diags)?;
         let id = string(&prior.id);
-        if let Err(e) = engine.update_vserver(&id, &spec_of(s)).await {
-            engine_error(diags, "update vserver", e);
-            return None;
-        }
+        done(
+            diags,
+            "update vserver",
+            engine.update_vserver(&id, &spec_of(s)).await,
+        )?;
         Some((self.observe(diags, &id)?, p))
     }
 
@@ -470,13 +465,11 @@ impl Resource for VserverResource {
             return Some(());
         };
         let engine = engine(&self.0, diags)?;
-        match engine.delete_vserver(&string(&prior.id)).await {
-            Ok(()) => Some(()),
-            Err(e) => {
-                engine_error(diags, "destroy vserver", e);
-                None
-            }
-        }
+        done(
+            diags,
+            "destroy vserver",
+            engine.delete_vserver(&string(&prior.id)).await,
+        )
     }
 
     async fn import<'a>(
@@ -485,16 +478,12 @@ impl Resource for VserverResource {
         name: String,
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
         let engine = engine(&self.0, diags)?;
-        match engine.store.vserver_by_name(&name) {
-            Ok(Some(row)) => Some((self.observe(diags, &row.id)?, Value::Null)),
-            Ok(None) => {
-                import_not_found(diags, "vserver", &name);
-                None
-            }
-            Err(e) => {
-                engine_error(diags, "import vserver", e.into());
-                None
-            }
-        }
+        let id = import_id(
+            diags,
+            "vserver",
+            &name,
+            engine.store.vserver_by_name(&name).map(|r| r.map(|r| r.id)),
+        )?;
+        Some((self.observe(diags, &id)?, Value::Null))
     }
 }
