@@ -30,8 +30,16 @@ impl From<usize> for PathStep {
     }
 }
 
-/// Renders a path the way operators write it: `group.thresholds[0].min`.
+/// The name an error about the whole document (the empty path) goes by, so that the
+/// one-line form always names a field: `input: must be an object, got [1,2]`.
+pub const ROOT_NAME: &str = "input";
+
+/// Renders a path the way operators write it: `group.thresholds[0].min`; the empty
+/// path (the document itself) renders as [`ROOT_NAME`].
 pub fn render_path(path: &[PathStep]) -> String {
+    if path.is_empty() {
+        return ROOT_NAME.to_string();
+    }
     let mut out = String::new();
     for step in path {
         match step {
@@ -132,6 +140,14 @@ mod tests {
             e.to_string(),
             "group.thresholds[0].min: must be below max (85), got 90"
         );
+    }
+
+    #[test]
+    fn root_path_is_named() {
+        let e = ConfigError::new(Vec::<PathStep>::new(), "must be an object", "[1,2]");
+        assert!(e.path.is_empty(), "the structured path stays the root");
+        assert_eq!(e.path_string(), "input");
+        assert_eq!(e.to_string(), "input: must be an object, got [1,2]");
     }
 
     #[test]

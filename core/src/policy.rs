@@ -640,8 +640,14 @@ pub struct Event {
 /// The result of one [`step`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
-    /// What the AZ did during this call: `Evaluating` when statistics were evaluated,
-    /// otherwise the phase the AZ was in when the call started.
+    /// What the AZ was doing at `now` (the label of a tick row): `Evaluating` when
+    /// statistics were evaluated; otherwise the phase in force once every wait that
+    /// ended strictly before `now` has been processed. A wait that ends exactly at
+    /// `now` still labels the tick (its end is observed there, and the next step runs
+    /// at the next tick, as in golden case G1), and a step taken at `now` itself
+    /// (activating a ready node, retrying or requesting a deletion, a deletion
+    /// finished at `now`) keeps the label of the phase it leaves. So a tick is never
+    /// labelled with a wait that had already ended before it.
     pub phase: PhaseKind,
     /// Whether statistics were evaluated.
     pub evaluated: bool,
@@ -725,6 +731,8 @@ pub fn step(
         events: Vec::new(),
     };
     for _ in 0..MAX_TRANSITIONS {
+        // When the transition taken below ends a wait, the instant the wait ended.
+        let mut wait_ended: Option<Millis> = None;
         let moved = match s.phase {
             Phase::Evaluating { after } => {
                 if after.is_some_and(|a| now <= a) {
@@ -759,6 +767,7 @@ pub fn step(
                     true
                 }
                 Some(ProvisionOutcome::Failed { at }) if at >= requested_at && at <= now => {
+                    wait_ended = Some(at);
                     s.provisioned = s.provisioned.saturating_sub(1);
                     out.actions.push(Action::DiscardFailedNode);
                     if attempt >= MAX_PROVISION_ATTEMPTS {
@@ -813,6 +822,7 @@ pub fn step(
             }
             Phase::Cooldown { until } => {
                 if now >= until {
+                    wait_ended = Some(until);
                     out.events.push(Event {
                         at: until,
                         kind: EventKind::CooldownEnd,
@@ -829,6 +839,7 @@ pub fn step(
             }
             Phase::Ttl { until } => {
                 if now >= until {
+                    wait_ended = Some(until);
                     out.events.push(Event {
                         at: until,
                         kind: EventKind::TtlEnd,
@@ -850,6 +861,7 @@ pub fn step(
                 let early = obs.drained_at.map(|d| d.max(since)).filter(|d| *d < until);
                 let end = early.unwrap_or(until);
                 if now >= end {
+                    wait_ended = Some(end);
                     let reason = if early.is_some() {
                         "no connections left on the node".to_string()
                     } else {
@@ -885,6 +897,7 @@ pub fn step(
             }
             Phase::Deprovisioning { requested_at } => match obs.deprovisioned_at {
                 Some(gone) if gone >= requested_at && gone <= now => {
+                    wait_ended = Some(gone);
                     s.provisioned = s.provisioned.saturating_sub(1);
                     out.events.push(Event {
                         at: gone,
@@ -899,6 +912,11 @@ pub fn step(
         };
         if !moved {
             break;
+        }
+        // A wait that ended before `now` is over at this tick: the tick shows what
+        // the AZ went on to do. (An evaluation, once done, keeps its label.)
+        if !out.evaluated && wait_ended.is_some_and(|e| e < now) {
+            out.phase = s.phase.kind();
         }
     }
     (s, out)

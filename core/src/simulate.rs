@@ -80,7 +80,9 @@ pub struct TickRow {
     pub t: Secs,
     /// AZ name.
     pub az: String,
-    /// What the AZ did at this tick.
+    /// What the AZ was doing at this tick: `Evaluating` when its statistics were
+    /// evaluated, otherwise the phase in force once every wait that ended strictly
+    /// before the tick has been processed (see [`policy::StepOutput::phase`]).
     pub phase: PhaseKind,
     /// Nodes registered with the distributor at the end of the tick.
     pub serving: u32,
@@ -397,8 +399,21 @@ pub fn simulate(input: &SimInput) -> SimOutput {
             // same tick, as a daemon re-running its reconcile would.
             for _ in 0..8 {
                 let obs = w.observe(input, sample);
+                let before = w.state.phase.kind();
                 let (next, out) = policy::step(cfg, &w.state, &obs, now);
-                if phase.is_none() || out.evaluated {
+                // The tick's label (`StepOutput::phase`: what the AZ was doing at
+                // `now`, past every wait that ended before it) is the first call's,
+                // moved on by a later call that gets past a wait that had ended before
+                // `now` (the leaving node's connections are only observed once its
+                // drain has started, so a drain that ended before `now` can be seen by
+                // the second call). Work done at `now` (a node activated, a deletion
+                // requested or finished) keeps the label; an evaluation always labels
+                // the tick and is never overridden.
+                if out.evaluated {
+                    phase = Some(PhaseKind::Evaluating);
+                } else if phase.is_none()
+                    || (phase != Some(PhaseKind::Evaluating) && out.phase != before)
+                {
                     phase = Some(out.phase);
                 }
                 decision = decision.or(out.decision);
