@@ -6,6 +6,8 @@
 //! attribute it is about, so that Terraform points at the right line.
 
 use lbscale_core::duration::parse_duration;
+use lbscale_core::error::{ConfigError, PathStep as CorePathStep};
+use lbscale_core::policy;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -224,7 +226,9 @@ impl Findings {
         }
     }
 
-    /// Thresholds: known metrics, `min < max`, one block per metric, percent bounds.
+    /// Thresholds: at least one block, and core's rules for each (known metric,
+    /// `min < max`, percent bounds, one block per metric), the same rules that
+    /// `lbscale simulate` and the daemon apply.
     pub fn thresholds(&mut self, thresholds: &[ThresholdSpec]) {
         if thresholds.is_empty() {
             self.0.push(Finding::error(
@@ -233,58 +237,20 @@ impl Findings {
                 "At least one threshold block is required (metric \"cpu\", \"memory\" or \"throughput\").",
             ));
         }
-        let mut seen: Vec<&str> = Vec::new();
-        for (i, t) in thresholds.iter().enumerate() {
-            let at = |attr| {
-                vec![
-                    PathStep::Attr("threshold"),
-                    PathStep::Index(i),
-                    PathStep::Attr(attr),
-                ]
-            };
-            self.one_of(at("metric"), "threshold.metric", &t.metric, METRICS);
-            if seen.contains(&t.metric.as_str()) {
-                self.0.push(Finding::error(
-                    at("metric"),
-                    "Duplicate threshold metric",
-                    format!(
-                        "Only one threshold block per metric is allowed; {:?} appears more than once.",
-                        t.metric
-                    ),
-                ));
-            }
-            seen.push(&t.metric);
-            if t.min >= t.max {
-                self.0.push(Finding::error(
-                    at("min"),
-                    "Invalid threshold",
-                    format!(
-                        "threshold min must be below max for metric {:?}, got min = {} and max = {}.",
-                        t.metric, t.min, t.max
-                    ),
-                ));
-            }
-            if t.min < 0.0 {
-                self.0.push(Finding::error(
-                    at("min"),
-                    "Invalid threshold",
-                    format!("threshold min must be 0 or more, got {}.", t.min),
-                ));
-            }
-            if (t.metric == "cpu" || t.metric == "memory") && t.max > 100.0 {
-                self.0.push(Finding::error(
-                    at("max"),
-                    "Invalid threshold",
-                    format!(
-                        "threshold max for {:?} is a percentage and must be at most 100, got {}.",
-                        t.metric, t.max
-                    ),
-                ));
-            }
+        let specs: Vec<policy::ThresholdSpec> = thresholds
+            .iter()
+            .map(|t| policy::ThresholdSpec {
+                metric: t.metric.clone(),
+                min: t.min,
+                max: t.max,
+            })
+            .collect();
+        if let Err(errors) = policy::validate_thresholds(&specs) {
+            self.0.extend(errors.iter().map(from_core));
         }
     }
 
-    /// `watch_time` must be a positive multiple of `stats_interval`.
+    /// `watch_time` must be a positive multiple of `stats_interval` (core's rule).
     pub fn timing(&mut self, stats_interval: &str, watch_time: &str) {
         let si = self.duration(
             vec![PathStep::Attr("stats_interval")],
@@ -292,57 +258,34 @@ impl Findings {
             stats_interval,
         );
         let wt = self.duration(vec![PathStep::Attr("watch_time")], "watch_time", watch_time);
-        if let Some(si) = si {
-            if si.is_zero() {
-                self.0.push(Finding::error(
-                    vec![PathStep::Attr("stats_interval")],
-                    "Invalid stats_interval",
-                    "stats_interval must be longer than zero.",
-                ));
-                return;
-            }
-            if let Some(wt) = wt {
-                if wt.is_zero() || wt.as_millis() % si.as_millis() != 0 {
-                    self.0.push(Finding::error(
-                        vec![PathStep::Attr("watch_time")],
-                        "Invalid watch_time",
-                        format!(
-                            "watch_time must be a positive multiple of stats_interval ({stats_interval}), got {watch_time}."
-                        ),
-                    ));
-                }
+        if let (Some(si), Some(wt)) = (si, wt) {
+            if let Err(e) = policy::validate_timing(si, wt) {
+                self.0.push(from_core(&e));
             }
         }
     }
 
-    /// `1 <= min_nodes <= max_nodes`.
+    /// `1 <= min_nodes <= max_nodes <= 64` (core's rule, plus the fleet cap).
     pub fn node_bounds(&mut self, min_nodes: Option<i64>, max_nodes: Option<i64>) {
-        if let Some(min) = min_nodes {
-            if min < 1 {
-                self.0.push(Finding::error(
-                    vec![PathStep::Attr("min_nodes")],
-                    "Invalid min_nodes",
-                    format!("min_nodes must be at least 1, got {min}."),
-                ));
-            }
-        }
         if let Some(max) = max_nodes {
-            if max < 1 || max > 64 {
+            if max > 64 {
                 self.0.push(Finding::error(
                     vec![PathStep::Attr("max_nodes")],
                     "Invalid max_nodes",
-                    format!("max_nodes must be between 1 and 64, got {max}."),
+                    format!("max_nodes: must be at most 64, got {max}."),
                 ));
             }
         }
-        if let (Some(min), Some(max)) = (min_nodes, max_nodes) {
-            if min > max {
-                self.0.push(Finding::error(
-                    vec![PathStep::Attr("min_nodes")],
-                    "Invalid node bounds",
-                    format!("min_nodes must be less than or equal to max_nodes, got min_nodes = {min} and max_nodes = {max}."),
-                ));
-            }
+        let clamp = |v: i64| v.clamp(0, u32::MAX as i64) as u32;
+        let (min, max) = match (min_nodes, max_nodes) {
+            (Some(min), Some(max)) => (clamp(min), clamp(max)),
+            // Only one is known yet: check it against itself.
+            (Some(min), None) => (clamp(min), clamp(min).max(1)),
+            (None, Some(max)) => (1, clamp(max)),
+            (None, None) => return,
+        };
+        if let Err(e) = policy::validate_node_bounds(min, max, None) {
+            self.0.push(from_core(&e));
         }
     }
 
@@ -414,6 +357,52 @@ impl Findings {
     }
 }
 
+/// A finding from one of core's validators. Core names fields as `lbscale
+/// simulate`'s JSON does; Terraform's names differ only for the threshold blocks.
+fn from_core(e: &ConfigError) -> Finding {
+    let path: Vec<PathStep> = e
+        .path
+        .iter()
+        .map(|step| match step {
+            CorePathStep::Field(f) => PathStep::Attr(attribute_name(f)),
+            CorePathStep::Index(i) => PathStep::Index(*i),
+        })
+        .collect();
+    let mut text = String::new();
+    for step in &path {
+        match step {
+            PathStep::Attr(a) if text.is_empty() => text.push_str(a),
+            PathStep::Attr(a) => text.push_str(&format!(".{a}")),
+            PathStep::Index(i) => text.push_str(&format!("[{i}]")),
+        }
+    }
+    let field = path.iter().rev().find_map(|s| match s {
+        PathStep::Attr(a) => Some(*a),
+        PathStep::Index(_) => None,
+    });
+    Finding::error(
+        path.clone(),
+        format!("Invalid {}", field.unwrap_or("configuration")),
+        format!("{text}: {}, got {}.", e.allowed, e.got),
+    )
+}
+
+/// The attribute that a field of core's documents is in Terraform.
+fn attribute_name(field: &str) -> &'static str {
+    match field {
+        "thresholds" => "threshold",
+        "metric" => "metric",
+        "min" => "min",
+        "max" => "max",
+        "stats_interval" => "stats_interval",
+        "watch_time" => "watch_time",
+        "min_nodes" => "min_nodes",
+        "max_nodes" => "max_nodes",
+        "initial_nodes" => "initial_nodes",
+        _ => "configuration",
+    }
+}
+
 /// The plan-time rule that ties a vserver to the distributor of its group.
 pub fn check_vserver_placement(
     findings: &mut Findings,
@@ -463,14 +452,16 @@ mod tests {
             f.0.iter()
                 .map(|x| (x.path.clone(), x.detail.clone()))
                 .collect();
-        assert!(paths
-            .iter()
-            .any(|(p, d)| p[1] == PathStep::Index(1) && d.contains("min must be below max")));
-        assert!(paths.iter().any(
-            |(p, d)| p[1] == PathStep::Index(2) && d.contains("one threshold block per metric")
-        ));
+        assert!(paths.iter().any(|(p, d)| p[1] == PathStep::Index(1)
+            && d.contains("threshold[1].min: must be below max (40), got 85")));
+        assert!(paths.iter().any(|(p, d)| p[1] == PathStep::Index(2)
+            && d.contains(
+                "threshold[2].metric: must name a metric that no other threshold block sets"
+            )));
         assert!(paths.iter().any(|(p, d)| p[1] == PathStep::Index(3)
-            && d.contains("\"cpu\", \"memory\", \"throughput\"")));
+            && d.contains(
+                "threshold[3].metric: must be one of cpu, memory, throughput, got \"disk\""
+            )));
         assert_eq!(f.0.len(), 3);
     }
 
@@ -478,9 +469,10 @@ mod tests {
     fn watch_time_must_be_a_positive_multiple() {
         let mut f = Findings::default();
         f.timing("1m", "90s");
-        assert!(f.0[0]
-            .detail
-            .contains("positive multiple of stats_interval (1m), got 90s"));
+        assert_eq!(
+            f.0[0].detail,
+            "watch_time: must be a positive multiple of stats_interval (60s), got 90s."
+        );
         let mut ok = Findings::default();
         ok.timing("30s", "2m");
         assert!(ok.0.is_empty());

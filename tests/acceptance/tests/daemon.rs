@@ -463,8 +463,15 @@ fn daemon_scales_out_under_load_and_back_in_when_idle() {
         "{api}"
     );
     assert_eq!(daemon.get("/v1/events?group=nope").unwrap().0, 404);
-    let g = daemon.group("dcyc");
-    assert_eq!(g["azs"][0]["nodes"]["active"], 1, "{g}");
+    wait_for(
+        "/v1/groups to show one active node",
+        Duration::from_secs(5),
+        || {
+            let g = daemon.group("dcyc");
+            (g["azs"][0]["nodes"]["active"] == 1 && g["azs"][0]["phase"] == "evaluating")
+                .then_some(())
+        },
+    );
     let m = daemon.metrics();
     assert_eq!(
         metric(

@@ -81,9 +81,14 @@ resource "lbscale_autoscale_group" "g" {
   stats_interval         = "1m"
   watch_time             = "90s" # watch_time
   threshold {
-    metric = "cpu"
-    min    = 90 # cpu min
+    metric = "memory"
+    min    = 90 # memory min
     max    = 80
+  }
+  threshold {
+    metric = "cpu"
+    min    = 10
+    max    = 20
   }
   threshold {
     metric = "cpu" # duplicate
@@ -139,11 +144,11 @@ resource "lbscale_vserver" "v" {
             ("# mode", "mode must be one of \"dns\", \"nlb\", got \"anycast\""),
             ("# ttl", "ttl must be a duration such as \"30s\", \"2m\" or \"1h30m\""),
             ("resource \"lbscale_traffic_distributor\" \"nodomain\"", "domain is required with mode = \"dns\""),
-            ("# min_nodes", "min_nodes must be less than or equal to max_nodes, got min_nodes = 5 and max_nodes = 2"),
-            ("# watch_time", "watch_time must be a positive multiple of stats_interval (1m), got 90s"),
-            ("# cpu min", "threshold min must be below max for metric \"cpu\", got min = 90 and max = 80"),
-            ("# duplicate", "Only one threshold block per metric is allowed"),
-            ("# metric", "threshold.metric must be one of \"cpu\", \"memory\", \"throughput\", got \"disk\""),
+            ("max_nodes              = 2", "max_nodes: must be at least min_nodes (5), got 2"),
+            ("# watch_time", "watch_time: must be a positive multiple of stats_interval (60s), got 90s"),
+            ("# memory min", "threshold[0].min: must be below max (80), got 90"),
+            ("# duplicate", "threshold[2].metric: must name a metric that no other threshold block sets (cpu is set by"),
+            ("# metric", "threshold[3].metric: must be one of cpu, memory, throughput, got \"disk\""),
             ("# scaling_mode", "scaling_mode must be one of \"native\", \"bgp\", \"native_and_bgp\""),
             ("# scaleout", "min_scaleout_per_vs must be less than or equal to max_scaleout_per_vs"),
             ("# cost", "primary_forwarding_cost must be between 0 and 1 (both excluded), got 1.5"),
