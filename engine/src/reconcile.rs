@@ -516,46 +516,11 @@ impl Engine {
         //    runs the current configuration is active.
         let version = self.store.config_version(id)?;
         let config = self.node_config(id, version)?;
-        for mut n in self.store.nodes_of_group(id)? {
+        for n in self.store.nodes_of_group(id)? {
             if !n.state.is_member() || leaving.iter().any(|l| l.id == n.id) {
                 continue;
             }
-            let applied = n
-                .handle
-                .get("config_version")
-                .and_then(|v| v.as_u64())
-                .unwrap_or(0);
-            if applied != version || n.state != NodeState::Active {
-                self.configure(cloud, &n, &token, config.clone(), deadline)
-                    .await?;
-                n.handle["config_version"] = version.into();
-                if n.state != NodeState::Active {
-                    n.state = NodeState::Active;
-                    self.store.record_event(
-                        id,
-                        Some(&n.az),
-                        "node_active",
-                        &format!(
-                            "node {} serves the group's vservers (configuration {version})",
-                            n.id
-                        ),
-                    )?;
-                }
-                self.store.update_node(&n)?;
-            }
-            if !n.registered {
-                n.registered = true;
-                self.store.update_node(&n)?;
-                self.store.record_event(
-                    id,
-                    Some(&n.az),
-                    "node_registered",
-                    &format!(
-                        "node {} ({}) added to the traffic distributor",
-                        n.id, n.private_ip
-                    ),
-                )?;
-            }
+            self.join(cloud, id, n, &token, &config, deadline).await?;
         }
         // Ports may have changed even when no node did (a vserver was added).
         self.publish(&spec.traffic_distributor_id).await?;
@@ -668,6 +633,116 @@ impl Engine {
             self.scale_in(&group, vec![leaving], deadline, reason)
                 .await?;
             Ok(id)
+        }
+        .await;
+        let _ = self.store.release_lease(&lease);
+        out
+    }
+
+    /// Joins a node to its cluster: pushes the group's configuration if the node
+    /// does not run it yet (then it is active), and marks it registered with the
+    /// distributor (the caller publishes).
+    async fn join(
+        &self,
+        cloud: &dyn Cloud,
+        group_id: &str,
+        mut n: NodeRow,
+        token: &str,
+        config: &lbscale_proto::NodeConfig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let version = config.version;
+        let applied = n
+            .handle
+            .get("config_version")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0);
+        if applied != version || n.state != NodeState::Active {
+            self.configure(cloud, &n, token, config.clone(), deadline)
+                .await?;
+            n.handle["config_version"] = version.into();
+            if n.state != NodeState::Active {
+                n.state = NodeState::Active;
+                self.store.record_event(
+                    group_id,
+                    Some(&n.az),
+                    "node_active",
+                    &format!(
+                        "node {} serves the group's vservers (configuration {version})",
+                        n.id
+                    ),
+                )?;
+            }
+            self.store.update_node(&n)?;
+        }
+        if !n.registered {
+            n.registered = true;
+            self.store.update_node(&n)?;
+            self.store.record_event(
+                group_id,
+                Some(&n.az),
+                "node_registered",
+                &format!(
+                    "node {} ({}) added to the traffic distributor",
+                    n.id, n.private_ip
+                ),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Restarts every node of the group, one at a time and surge first: a new
+    /// node joins and serves before the old one leaves (TTL, drain, gone). Used
+    /// when a setting that nodes read only at start-up changes (`se_tunnel_mode`).
+    pub async fn rolling_restart(&self, group_id: &str, reason: &str) -> Result<()> {
+        let group = self
+            .store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let old: Vec<NodeRow> = self
+            .store
+            .nodes_of_group(group_id)?
+            .into_iter()
+            .filter(|n| n.state.is_member())
+            .collect();
+        let per_node =
+            group.spec.apply_timeout() + group.spec.drain_timeout() + self.ttl_of(&group.spec)?;
+        let deadline = Instant::now() + per_node * (old.len() as u32).max(1);
+        let lease = self.lease(group_id, deadline).await?;
+        let out = async {
+            let cloud = self.cloud(&group.spec.cloud)?;
+            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            let config = self.node_config(group_id, self.store.config_version(group_id)?)?;
+            self.store.record_event(
+                group_id,
+                None,
+                "rolling_restart",
+                &format!("{reason}: {} node(s), one at a time", old.len()),
+            )?;
+            for n in old {
+                let before: Vec<String> = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .map(|x| x.id)
+                    .collect();
+                self.provision(&group, &n.az, &token).await?;
+                let fresh = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .find(|x| !before.contains(&x.id))
+                    .ok_or_else(|| EngineError::Step {
+                        step: "rolling restart",
+                        detail: "the new node disappeared".into(),
+                    })?;
+                self.join(cloud, group_id, fresh, &token, &config, deadline)
+                    .await?;
+                self.publish(&group.spec.traffic_distributor_id).await?;
+                self.scale_in(&group, vec![n], deadline, "replaced by the rolling restart")
+                    .await?;
+            }
+            Ok(())
         }
         .await;
         let _ = self.store.release_lease(&lease);
@@ -945,6 +1020,19 @@ impl Engine {
             .se_group(id)?
             .ok_or_else(|| EngineError::NotFound(format!("SE group {id}")))?;
         self.store.update_se_group(id, spec)?;
+        if old.spec.se_tunnel_mode != spec.se_tunnel_mode
+            && old.spec.autoscale_group_id == spec.autoscale_group_id
+        {
+            // Nodes read the tunnel mode only when they start.
+            self.rolling_restart(
+                &spec.autoscale_group_id,
+                &format!(
+                    "se_tunnel_mode {} -> {}",
+                    old.spec.se_tunnel_mode, spec.se_tunnel_mode
+                ),
+            )
+            .await?;
+        }
         if old.spec.autoscale_group_id != spec.autoscale_group_id {
             // Its vservers move with it.
             for g in [&old.spec.autoscale_group_id, &spec.autoscale_group_id] {

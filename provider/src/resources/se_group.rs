@@ -225,18 +225,26 @@ impl Resource for SeGroupResource {
     async fn plan_update<'a>(
         &self,
         diags: &mut Diagnostics,
-        _prior: Self::State<'a>,
+        prior: Self::State<'a>,
         proposed: Self::State<'a>,
         _c: Self::State<'a>,
         p: Self::PrivateState<'a>,
         _m: Self::ProviderMetaState<'a>,
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
-        let Value::Value(mut s) = proposed else {
+        let (Value::Value(prior), Value::Value(mut s)) = (prior, proposed) else {
             missing_state(diags);
             return None;
         };
         apply_defaults(&mut s);
         self.check(diags, &s)?;
+        if changed(&prior.se_tunnel_mode, &s.se_tunnel_mode) {
+            // Shown in the plan: the apply restarts the group's nodes.
+            diags.add_warning(tf_provider::Diagnostic {
+                summary: "se_tunnel_mode change: rolling restart".into(),
+                detail: "Nodes read se_tunnel_mode only when they start: this apply restarts every node of the autoscale group, one at a time (a new node joins and serves before each old one is drained and removed).".into(),
+                attribute: AttributePath::new("se_tunnel_mode"),
+            });
+        }
         Some((Value::Value(s), p, vec![]))
     }
 

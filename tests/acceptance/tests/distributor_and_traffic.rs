@@ -230,6 +230,37 @@ fn dns_distributor_vservers_and_traffic() {
         0.45
     );
 
+    // se_tunnel_mode takes effect when nodes start: the plan says so, and the
+    // apply replaces every node, one at a time, while traffic keeps flowing.
+    let with_tunnel = stack("dns", "2s", "0.45", 3, &b, true).replace(
+        "primary_forwarding_cost = 0.45",
+        "primary_forwarding_cost = 0.45\n  se_tunnel_mode          = 2",
+    );
+    ws.write(&with_tunnel);
+    let o = ws.plan();
+    let warnings = diagnostics(&o.all());
+    assert!(
+        warnings.iter().any(|d| d.severity == "warning"
+            && d.text
+                .contains("restarts every node of the autoscale group, one at a time")),
+        "{}",
+        o.all()
+    );
+    ws.apply();
+    ws.assert_plan_empty("a rolling restart");
+    let restarted = dig(&dns, "shop.lbscale.test");
+    assert_eq!(restarted.len(), 2, "{restarted:?}");
+    assert!(
+        restarted.iter().all(|ip| !node_ips.contains(ip)),
+        "every node was replaced: {node_ips:?} -> {restarted:?}"
+    );
+    for ip in &node_ips {
+        assert!(!Workspace::listening(ip, 9990), "old node {ip} still runs");
+    }
+    let (a, bb, _) = spread(&restarted[0], 4);
+    assert_eq!(a + bb, 4);
+    let node_ips = restarted;
+
     // Import every resource by name.
     ws.reimport("lbscale_vserver.web", "shop-web");
     ws.reimport("lbscale_vserver.tcp", "shop-tcp");
@@ -242,7 +273,7 @@ fn dns_distributor_vservers_and_traffic() {
         format!(
             "{}\n{}",
             ws.header(),
-            stack("dns", "2s", "0.45", 3, &b, true)
+            with_tunnel
                 .split("resource \"lbscale_vserver\" \"web\"")
                 .next()
                 .unwrap()
