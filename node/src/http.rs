@@ -62,17 +62,27 @@ pub struct RespGuard {
     sender: Option<SendRequest<UpBody>>,
     start: Instant,
     done: bool,
+    /// Bytes of this exchange (request head estimate + response), for the
+    /// LEASTBANDWIDTH/LEASTPACKETS estimators.
+    req_bytes: u64,
+    resp_bytes: u64,
 }
 
 impl Drop for RespGuard {
     fn drop(&mut self) {
         self.rt.active.fetch_sub(1, Ordering::Relaxed);
-        let us = self.start.elapsed().as_micros() as u64;
-        self.rt.resp_us_total.fetch_add(us, Ordering::Relaxed);
-        self.rt.resp_count.fetch_add(1, Ordering::Relaxed);
+        self.rt
+            .record_response(self.start.elapsed().as_micros() as u64);
+        if self.rt.track_traffic.load(Ordering::Relaxed) {
+            let pk = |b: u64| 1 + b / 1460;
+            self.rt.record_traffic(
+                self.req_bytes + self.resp_bytes,
+                pk(self.req_bytes) + pk(self.resp_bytes),
+            );
+        }
         if self.done {
             if let Some(s) = self.sender.take() {
-                if !s.is_closed() {
+                if !s.is_closed() && !self.rt.is_draining() {
                     if let Ok(mut pool) = self.rt.pool.lock() {
                         if pool.len() < MAX_IDLE_PER_SERVICE {
                             pool.push(s);
@@ -105,6 +115,7 @@ impl Body for RespBody {
                     Poll::Ready(Some(Ok(f))) => {
                         if let Some(d) = f.data_ref() {
                             add_bytes(d.len());
+                            guard.resp_bytes += d.len() as u64;
                         }
                     }
                     Poll::Ready(None) => guard.done = true,
@@ -236,6 +247,7 @@ async fn send(
         }
     };
     let (mut s, conn) = match hyper::client::conn::http1::Builder::new()
+        .writev(false)
         .handshake(TokioIo::new(stream))
         .await
     {
@@ -254,8 +266,19 @@ async fn send(
     }
 }
 
-async fn proxy(req: Request<Incoming>, vs: Arc<Vserver>, xff: HeaderValue) -> Response<RespBody> {
-    let st = vs.state();
+/// The vserver's configuration snapshot as one client connection sees it: read
+/// again only when the vserver's generation moved.
+struct CachedState {
+    generation: u64,
+    state: Arc<crate::lb::VsState>,
+}
+
+async fn proxy(
+    req: Request<Incoming>,
+    vs: Arc<Vserver>,
+    st: Arc<crate::lb::VsState>,
+    xff: HeaderValue,
+) -> Response<RespBody> {
     let Some(mut idx) = st.pick(None) else {
         return simple(
             &vs,
@@ -265,7 +288,15 @@ async fn proxy(req: Request<Incoming>, vs: Arc<Vserver>, xff: HeaderValue) -> Re
     };
     let (mut parts, body) = req.into_parts();
     // Throughput counts the request and response heads (estimated) as well as bodies.
-    add_bytes(head_len(&parts.headers) + parts.uri.path().len() + 16);
+    let req_head = head_len(&parts.headers) + parts.uri.path().len() + 16;
+    add_bytes(req_head);
+    let req_bytes = req_head as u64
+        + parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
     strip_hop(&mut parts.headers);
     parts.headers.append(X_FORWARDED_FOR.clone(), xff);
     if parts.uri.authority().is_some() {
@@ -285,7 +316,8 @@ async fn proxy(req: Request<Incoming>, vs: Arc<Vserver>, xff: HeaderValue) -> Re
         match send(&rt, req).await {
             Ok((resp, sender)) => {
                 let (mut parts, body) = resp.into_parts();
-                add_bytes(head_len(&parts.headers) + 17);
+                let resp_head = head_len(&parts.headers) + 17;
+                add_bytes(resp_head);
                 strip_hop(&mut parts.headers);
                 parts
                     .headers
@@ -298,6 +330,8 @@ async fn proxy(req: Request<Incoming>, vs: Arc<Vserver>, xff: HeaderValue) -> Re
                     sender: Some(sender),
                     start,
                     done: false,
+                    req_bytes,
+                    resp_bytes: resp_head as u64,
                 };
                 return Response::from_parts(parts, RespBody::Proxied { body, guard });
             }
@@ -329,13 +363,28 @@ pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, vs: Arc<Vserver>) {
     let xff = HeaderValue::from_str(&peer.ip().to_string())
         .unwrap_or(HeaderValue::from_static("unknown"));
     let vs2 = vs.clone();
+    let cache = std::sync::Mutex::new(CachedState {
+        generation: vs.generation(),
+        state: vs.state(),
+    });
     let svc = hyper::service::service_fn(move |req| {
         let vs = vs2.clone();
+        let st = {
+            // Uncontended: only this connection's task takes it.
+            let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+            let g = vs.generation();
+            if g != c.generation {
+                c.state = vs.state();
+                c.generation = g;
+            }
+            c.state.clone()
+        };
         let xff = xff.clone();
-        async move { Ok::<_, Infallible>(proxy(req, vs, xff).await) }
+        async move { Ok::<_, Infallible>(proxy(req, vs, st, xff).await) }
     });
     let mut b = hyper::server::conn::http1::Builder::new();
     b.timer(TokioTimer::new())
+        .writev(false)
         .keep_alive(true)
         .header_read_timeout(Duration::from_secs(30));
     let conn = b.serve_connection(TokioIo::new(stream), svc);

@@ -22,11 +22,61 @@ use anyhow::{anyhow, bail, Context};
 
 const USAGE: &str = "\
 usage:
-  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --memory-limit-mb N
+  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --memory-limit-mb N [NODE OPTIONS]
   lbscale-node dns --listen IP:PORT --config FILE --status FILE
   lbscale-node nlb --config FILE --status FILE
-  lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT [--service HOST:PORT ...]
+  lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [NODE OPTIONS]
+
+node options (serve, standalone):
+  --health-interval-ms N   TCP-connect health check of every service every N ms (default 1000; 0 = off)
+  --health-fall K          consecutive failures that take a service DOWN (default 3)
+  --health-rise K          consecutive successes that bring it UP again (default 2)
+  --service-drain-timeout-ms N  a disabled or removed service's connections may go on
+                           for N ms, then close (default 30000)
+  --custom-load-file PATH  JSON object of CUSTOMLOAD values, {\"vserver/service\": load} or
+                           {\"service\": load}; polled every 200 ms
 ";
+
+const NODE_OPTS: [&str; 5] = [
+    "service-drain-timeout-ms",
+    "health-interval-ms",
+    "health-fall",
+    "health-rise",
+    "custom-load-file",
+];
+
+fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
+    let mut o = node::NodeOpts::default();
+    let num = |k: &str| -> anyhow::Result<Option<u64>> {
+        match a.get(k) {
+            Ok(v) => {
+                Ok(Some(v.parse().with_context(|| {
+                    format!("--{k} must be a whole number")
+                })?))
+            }
+            Err(_) => Ok(None),
+        }
+    };
+    if let Some(ms) = num("service-drain-timeout-ms")? {
+        o.service_drain = std::time::Duration::from_millis(ms);
+    }
+    if let Some(ms) = num("health-interval-ms")? {
+        o.health.interval = std::time::Duration::from_millis(ms);
+    }
+    if let Some(k) = num("health-fall")? {
+        o.health.fall = (k as u32).max(1);
+    }
+    if let Some(k) = num("health-rise")? {
+        o.health.rise = (k as u32).max(1);
+    }
+    Ok(o)
+}
+
+fn start_custom_loads(a: &Args, node: &Arc<node::Node>) {
+    if let Ok(p) = a.get("custom-load-file") {
+        tokio::spawn(node::watch_custom_loads(node.clone(), PathBuf::from(p)));
+    }
+}
 
 struct Args {
     opts: HashMap<String, Vec<String>>,
@@ -116,7 +166,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     if token.is_empty() {
         bail!("token file {} is empty", token_file.display());
     }
-    let node = node::Node::new(node_id.clone(), ip, memory_limit_mb);
+    let node = node::Node::new(node_id.clone(), ip, memory_limit_mb, node_opts(&a)?);
+    start_custom_loads(&a, &node);
     let addr = SocketAddr::new(ip, api_port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -159,11 +210,21 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
         LbMethod::from_str_name(&method).ok_or_else(|| anyhow!("unknown --lb-method {method}"))?;
     let mut services = Vec::new();
     for s in a.all("service") {
-        let (host, port) = s
+        let (hp, weight) = match s.split_once(',') {
+            Some((hp, w)) => (
+                hp,
+                w.parse::<u32>()
+                    .ok()
+                    .filter(|w| *w >= 1)
+                    .ok_or_else(|| anyhow!("--service {s:?}: weight must be 1 or more"))?,
+            ),
+            None => (s.as_str(), 1),
+        };
+        let (host, port) = hp
             .rsplit_once(':')
             .ok_or_else(|| anyhow!("--service {s:?} must be HOST:PORT"))?;
         services.push(Service {
-            name: s.clone(),
+            name: hp.to_string(),
             address: host
                 .trim_start_matches('[')
                 .trim_end_matches(']')
@@ -171,7 +232,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
             port: port
                 .parse()
                 .with_context(|| format!("--service {s:?}: bad port"))?,
-            weight: 1,
+            weight,
             enabled: true,
             cap_per_second: 0.0,
         });
@@ -180,7 +241,8 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
         bail!("at least one --service HOST:PORT is needed");
     }
     let stop = shutdown_signal();
-    let node = node::Node::new("standalone".into(), listen.ip(), 0);
+    let node = node::Node::new("standalone".into(), listen.ip(), 0, node_opts(&a)?);
+    start_custom_loads(&a, &node);
     node.configure(NodeConfig {
         version: 1,
         vservers: vec![Vserver {
@@ -224,16 +286,27 @@ fn main() {
         "serve" => Args::parse(
             rest,
             &[
-                "node-id",
-                "listen-ip",
-                "api-port",
-                "token-file",
-                "memory-limit-mb",
-            ],
+                &[
+                    "node-id",
+                    "listen-ip",
+                    "api-port",
+                    "token-file",
+                    "memory-limit-mb",
+                ][..],
+                &NODE_OPTS[..],
+            ]
+            .concat(),
         ),
         "dns" => Args::parse(rest, &["listen", "config", "status"]),
         "nlb" => Args::parse(rest, &["config", "status"]),
-        "standalone" => Args::parse(rest, &["listen", "mode", "lb-method", "service"]),
+        "standalone" => Args::parse(
+            rest,
+            &[
+                &["listen", "mode", "lb-method", "service"][..],
+                &NODE_OPTS[..],
+            ]
+            .concat(),
+        ),
         _ => Err(anyhow!("unknown command {cmd:?}")),
     };
     let a = match parsed {
@@ -243,10 +316,17 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    // One core available (e.g. `taskset -c 1`): a current-thread runtime, which
+    // saves the multi-thread scheduler's cross-thread wake-ups and atomics.
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mut builder = if cores == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    let rt = builder.enable_all().build().expect("tokio runtime");
     let cmd = cmd.to_string();
     let r: anyhow::Result<()> = rt.block_on(async move {
         let stop = shutdown_signal();

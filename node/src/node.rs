@@ -20,6 +20,9 @@ use crate::metrics::{self, ACTIVE_CONNS, BYTES, TOTAL_CONNS};
 /// One listening vserver. Its configuration snapshot is swapped in place.
 pub struct Vserver {
     state: RwLock<Arc<VsState>>,
+    /// Bumped at every swap: connections cache the snapshot and re-read it only
+    /// when this changes (one relaxed load per request instead of a lock).
+    generation: AtomicU64,
     /// Cancelled when this vserver stops taking connections (removed, or drain).
     pub closing: CancellationToken,
     /// Cancelled when the node closes every connection (end of drain).
@@ -34,6 +37,12 @@ impl Vserver {
     }
     fn set_state(&self, s: Arc<VsState>) {
         *self.state.write().unwrap_or_else(|e| e.into_inner()) = s;
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 }
 
@@ -76,6 +85,11 @@ pub struct Node {
     inner: tokio::sync::Mutex<Inner>,
     sample: Mutex<Sample>,
     started: Instant,
+    opts: NodeOpts,
+    /// CUSTOMLOAD values: key `vserver/service` or `service`.
+    custom_loads: Mutex<HashMap<String, f64>>,
+    /// Services removed from the configuration while draining: (vserver, runtime).
+    removed: Mutex<Vec<(String, Arc<ServiceRt>)>>,
 }
 
 fn kind_of(t: i32) -> Option<Kind> {
@@ -87,17 +101,100 @@ fn kind_of(t: i32) -> Option<Kind> {
     }
 }
 
-/// ROUNDROBIN and unspecified → round robin; LEASTCONNECTION and every other
-/// method (LEASTRESPONSETIME, LEASTBANDWIDTH, …) → least connection for now.
+/// ROUNDROBIN, unspecified and unknown values → round robin.
 fn method_of(m: i32) -> Method {
     match LbMethod::try_from(m) {
         Ok(LbMethod::Roundrobin) | Ok(LbMethod::Unspecified) | Err(_) => Method::RoundRobin,
-        Ok(_) => Method::LeastConnection,
+        Ok(LbMethod::Leastconnection) => Method::LeastConnection,
+        Ok(LbMethod::Leastresponsetime) => Method::LeastResponseTime,
+        Ok(LbMethod::Leastbandwidth) => Method::LeastBandwidth,
+        Ok(LbMethod::Leastpackets) => Method::LeastPackets,
+        Ok(LbMethod::Lrtm) => Method::Lrtm,
+        Ok(LbMethod::Customload) => Method::CustomLoad,
+    }
+}
+
+/// Active health checks of services: a TCP connect every `interval`; DOWN after
+/// `fall` consecutive failures, UP again after `rise` consecutive successes.
+/// `interval` zero turns them off (every service is UP).
+#[derive(Clone, Copy, Debug)]
+pub struct HealthCfg {
+    pub interval: Duration,
+    pub fall: u32,
+    pub rise: u32,
+}
+
+impl Default for HealthCfg {
+    fn default() -> Self {
+        HealthCfg {
+            interval: Duration::from_millis(1000),
+            fall: 3,
+            rise: 2,
+        }
+    }
+}
+
+/// Node options that the management API does not carry.
+#[derive(Clone, Debug)]
+pub struct NodeOpts {
+    pub health: HealthCfg,
+    /// How long a disabled or removed service's connections may go on.
+    pub service_drain: Duration,
+}
+
+impl Default for NodeOpts {
+    fn default() -> Self {
+        NodeOpts {
+            health: HealthCfg::default(),
+            service_drain: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Probes one service until it is dropped from every configuration.
+async fn health_loop(rt: std::sync::Weak<ServiceRt>, cfg: HealthCfg, vserver: String) {
+    let mut fails = 0u32;
+    let mut oks = 0u32;
+    let probe_timeout = cfg
+        .interval
+        .clamp(Duration::from_millis(100), Duration::from_secs(2));
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(r) = rt.upgrade() else { return };
+        let start = Instant::now();
+        let ok = matches!(
+            tokio::time::timeout(probe_timeout, r.connect()).await,
+            Ok(Ok(_))
+        );
+        if ok {
+            r.record_monitor_rtt(start.elapsed().as_micros() as u64);
+            oks += 1;
+            fails = 0;
+            if !r.is_up() && oks >= cfg.rise.max(1) && r.set_up(true) {
+                tracing::info!(
+                    vserver = %vserver,
+                    service = %r.name,
+                    up_since_ms = r.up_since_ns() / 1_000_000,
+                    "service UP (new for slow start)"
+                );
+            }
+        } else {
+            fails += 1;
+            oks = 0;
+            if r.is_up() && fails >= cfg.fall.max(1) && r.set_up(false) {
+                tracing::warn!(vserver = %vserver, service = %r.name, failures = fails, "service DOWN");
+                if let Ok(mut pool) = r.pool.lock() {
+                    pool.clear();
+                }
+            }
+        }
     }
 }
 
 impl Node {
-    pub fn new(id: String, ip: IpAddr, memory_limit_mb: u64) -> Arc<Self> {
+    pub fn new(id: String, ip: IpAddr, memory_limit_mb: u64, opts: NodeOpts) -> Arc<Self> {
         let node_hv = HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("node"));
         let node = Arc::new(Node {
             id,
@@ -111,6 +208,9 @@ impl Node {
             inner: tokio::sync::Mutex::new(Inner::default()),
             sample: Mutex::new(Sample::default()),
             started: Instant::now(),
+            opts,
+            custom_loads: Mutex::new(HashMap::new()),
+            removed: Mutex::new(Vec::new()),
         });
         metrics::start_instant();
         tokio::spawn(sampler(Arc::downgrade(&node)));
@@ -209,6 +309,8 @@ impl Node {
             .collect();
         for key in removed {
             if let Some(l) = inner.listeners.remove(&key) {
+                let st = l.vs.state();
+                self.service_drains(&st.name, Some(&st), None);
                 l.vs.closing.cancel();
                 let _ = l.task.await;
                 tracing::info!(port = key.0, "vserver closed");
@@ -218,13 +320,15 @@ impl Node {
         // Update kept ones in place, open new ones.
         for (key, kind, v) in &desired {
             let prev = inner.listeners.get(key).map(|l| l.vs.state());
-            let state = Arc::new(build_state(v, *kind, prev.as_deref()));
+            let state = Arc::new(self.build_state(v, *kind, prev.as_deref()));
+            self.service_drains(&v.name, prev.as_deref(), Some(&state));
             if let Some(l) = inner.listeners.get(key) {
                 l.vs.set_state(state);
                 continue;
             }
             let vs = Arc::new(Vserver {
                 state: RwLock::new(state),
+                generation: AtomicU64::new(0),
                 closing: self.drain.child_token(),
                 kill: self.kill.clone(),
                 node_hv: self.node_hv.clone(),
@@ -267,6 +371,112 @@ impl Node {
         ACTIVE_CONNS.load(Ordering::Relaxed)
     }
 
+    /// Builds the snapshot of a vserver, keeping the runtime (counters, health,
+    /// idle connections) of services whose name, address and port did not change.
+    /// New services start UP, with a health check when those are on.
+    fn build_state(
+        &self,
+        v: &lbscale_proto::Vserver,
+        kind: Kind,
+        prev: Option<&VsState>,
+    ) -> VsState {
+        let loads = self
+            .custom_loads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let services = v
+            .services
+            .iter()
+            .map(|s| {
+                let rt = prev
+                    .and_then(|p| {
+                        p.services.iter().find(|e| {
+                            e.rt.name == s.name
+                                && e.rt.host == s.address
+                                && e.rt.port as u32 == s.port
+                        })
+                    })
+                    .map(|e| e.rt.clone())
+                    .unwrap_or_else(|| {
+                        let rt = Arc::new(ServiceRt::new(&s.name, &s.address, s.port as u16));
+                        if let Some(l) = custom_load_for(&loads, &v.name, &s.name) {
+                            rt.set_custom_load(l);
+                        }
+                        if !self.opts.health.interval.is_zero() {
+                            tokio::spawn(health_loop(
+                                Arc::downgrade(&rt),
+                                self.opts.health,
+                                v.name.clone(),
+                            ));
+                        }
+                        rt
+                    });
+                SvcEntry {
+                    rt,
+                    weight: s.weight.max(1),
+                    enabled: s.enabled,
+                    cap: s.cap_per_second,
+                }
+            })
+            .collect();
+        VsState::new(v.name.clone(), kind, method_of(v.lb_method), services)
+    }
+
+    /// Services that stop taking new connections (disabled, or removed with their
+    /// vserver or alone) drain: their connections may go on for
+    /// `opts.service_drain`, then close. Enabled ones stop draining. Removed ones
+    /// stay in the statistics while they have connections.
+    fn service_drains(&self, vserver: &str, prev: Option<&VsState>, next: Option<&VsState>) {
+        if let Some(n) = next {
+            for e in n.services.iter().filter(|e| e.enabled) {
+                e.rt.end_drain();
+            }
+        }
+        let Some(p) = prev else { return };
+        for e in &p.services {
+            let kept = next.and_then(|n| n.services.iter().find(|x| Arc::ptr_eq(&x.rt, &e.rt)));
+            if kept.is_some_and(|x| x.enabled) {
+                continue;
+            }
+            if kept.is_none() {
+                self.removed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((vserver.to_string(), e.rt.clone()));
+            }
+            let Some(gen) = e.rt.begin_drain() else {
+                continue;
+            };
+            let rt = e.rt.clone();
+            let timeout = self.opts.service_drain;
+            let vserver = vserver.to_string();
+            tracing::info!(vserver = %vserver, service = %rt.name, connections = rt.active.load(Ordering::Relaxed), "service draining");
+            tokio::spawn(async move {
+                tokio::time::sleep(timeout).await;
+                let left = rt.active.load(Ordering::Relaxed);
+                if rt.drain_timed_out(gen) && left > 0 {
+                    tracing::info!(vserver = %vserver, service = %rt.name, connections = left, "service drain timeout: closing its connections");
+                }
+            });
+        }
+    }
+
+    /// Replaces the CUSTOMLOAD values (keys `vserver/service` or `service`; a
+    /// service without a value has load 0) and applies them at once.
+    pub async fn set_custom_loads(&self, loads: HashMap<String, f64>) {
+        let states: Vec<Arc<VsState>> = {
+            let inner = self.inner.lock().await;
+            inner.listeners.values().map(|l| l.vs.state()).collect()
+        };
+        for st in &states {
+            for e in &st.services {
+                e.rt.set_custom_load(custom_load_for(&loads, &st.name, &e.rt.name).unwrap_or(0.0));
+            }
+        }
+        *self.custom_loads.lock().unwrap_or_else(|e| e.into_inner()) = loads;
+    }
+
     pub fn state_name(&self) -> &'static str {
         if !self.draining.load(Ordering::Relaxed) {
             "active"
@@ -289,6 +499,27 @@ impl Node {
             inner.listeners.values().map(|l| l.vs.state()).collect();
         drop(inner);
         states.sort_by(|a, b| a.name.cmp(&b.name));
+        // Removed services still draining connections.
+        let removed: Vec<(String, Arc<ServiceRt>)> = {
+            let mut r = self.removed.lock().unwrap_or_else(|e| e.into_inner());
+            r.retain(|(vs, rt)| {
+                rt.active.load(Ordering::Relaxed) > 0
+                    && !states
+                        .iter()
+                        .any(|s| s.name == *vs && s.services.iter().any(|e| Arc::ptr_eq(&e.rt, rt)))
+            });
+            r.clone()
+        };
+        for (vs, rt) in removed {
+            services.push(lbscale_proto::ServiceStats {
+                vserver: vs,
+                service: rt.name.clone(),
+                requests_total: rt.requests_total.load(Ordering::Relaxed),
+                requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
+                active_connections: rt.active.load(Ordering::Relaxed),
+                avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
+            });
+        }
         for st in states {
             for e in &st.services {
                 let rt = &e.rt;
@@ -317,30 +548,38 @@ impl Node {
     }
 }
 
-/// Builds the snapshot of a vserver, keeping the runtime (counters, idle
-/// connections) of services whose name, address and port did not change.
-fn build_state(v: &lbscale_proto::Vserver, kind: Kind, prev: Option<&VsState>) -> VsState {
-    let services = v
-        .services
-        .iter()
-        .map(|s| {
-            let rt = prev
-                .and_then(|p| {
-                    p.services.iter().find(|e| {
-                        e.rt.name == s.name && e.rt.host == s.address && e.rt.port as u32 == s.port
-                    })
-                })
-                .map(|e| e.rt.clone())
-                .unwrap_or_else(|| Arc::new(ServiceRt::new(&s.name, &s.address, s.port as u16)));
-            SvcEntry {
-                rt,
-                weight: s.weight.max(1),
-                enabled: s.enabled,
-                cap: s.cap_per_second,
+fn custom_load_for(loads: &HashMap<String, f64>, vserver: &str, service: &str) -> Option<f64> {
+    loads
+        .get(&format!("{vserver}/{service}"))
+        .or_else(|| loads.get(service))
+        .copied()
+}
+
+/// Polls `path` (a JSON object of load values, keys `vserver/service` or
+/// `service`) every 200 ms and applies it when it changes.
+pub async fn watch_custom_loads(node: Arc<Node>, path: std::path::PathBuf) {
+    let mut last: Option<Vec<u8>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Ok(b) = tokio::fs::read(&path).await else {
+            continue;
+        };
+        if last.as_ref() == Some(&b) {
+            continue;
+        }
+        match serde_json::from_slice::<HashMap<String, f64>>(&b) {
+            Ok(m) => {
+                tracing::info!(path = %path.display(), services = m.len(), "custom loads applied");
+                node.set_custom_loads(m).await;
             }
-        })
-        .collect();
-    VsState::new(v.name.clone(), kind, method_of(v.lb_method), services)
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "invalid custom load file; keeping the previous values")
+            }
+        }
+        last = Some(b);
+    }
 }
 
 async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {

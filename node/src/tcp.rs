@@ -10,11 +10,13 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use crate::lb::ServiceRt;
 use crate::metrics::{add_bytes, ConnGuard};
 use crate::node::Vserver;
 
-/// A stream that counts the bytes read from it into the node's throughput.
-pub struct Counted(pub TcpStream);
+/// A stream that counts the bytes read from it into the node's throughput, and
+/// into its service's traffic estimators when there is one.
+pub struct Counted(pub TcpStream, pub Option<Arc<ServiceRt>>);
 
 impl AsyncRead for Counted {
     fn poll_read(
@@ -25,7 +27,11 @@ impl AsyncRead for Counted {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.0).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = r {
-            add_bytes(buf.filled().len() - before);
+            let n = buf.filled().len() - before;
+            add_bytes(n);
+            if let Some(rt) = &self.1 {
+                rt.record_traffic(n as u64, 1);
+            }
         }
         r
     }
@@ -49,8 +55,13 @@ impl AsyncWrite for Counted {
 
 /// Relays both ways until both sides close.
 pub async fn relay(client: TcpStream, backend: TcpStream) {
-    let mut a = Counted(client);
-    let mut b = Counted(backend);
+    relay_for(client, backend, None).await
+}
+
+/// Relays both ways until both sides close, feeding `rt`'s traffic estimators.
+pub async fn relay_for(client: TcpStream, backend: TcpStream, rt: Option<Arc<ServiceRt>>) {
+    let mut a = Counted(client, rt.clone());
+    let mut b = Counted(backend, rt);
     let _ = tokio::io::copy_bidirectional(&mut a, &mut b).await;
 }
 
@@ -70,9 +81,7 @@ pub async fn serve_conn(client: TcpStream, vs: Arc<Vserver>) {
         let start = Instant::now();
         match rt.connect().await {
             Ok(s) => {
-                rt.resp_us_total
-                    .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-                rt.resp_count.fetch_add(1, Ordering::Relaxed);
+                rt.record_response(start.elapsed().as_micros() as u64);
                 backend = Some(s);
                 break;
             }
@@ -89,8 +98,10 @@ pub async fn serve_conn(client: TcpStream, vs: Arc<Vserver>) {
     let rt = st.services[idx].rt.clone();
     drop(st);
     rt.active.fetch_add(1, Ordering::Relaxed);
+    let rkill = rt.kill_token();
     tokio::select! {
-        _ = relay(client, backend) => {}
+        _ = rkill.cancelled() => {}
+        _ = relay_for(client, backend, rt.track_traffic.load(Ordering::Relaxed).then(|| rt.clone())) => {}
         _ = vs.kill.cancelled() => {}
     }
     rt.active.fetch_sub(1, Ordering::Relaxed);

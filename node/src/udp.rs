@@ -17,6 +17,7 @@ const FLOW_IDLE: Duration = Duration::from_secs(30);
 struct Flow {
     up: Arc<UdpSocket>,
     dead: AtomicBool,
+    rt: Arc<crate::lb::ServiceRt>,
 }
 
 pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
@@ -51,6 +52,7 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
             }
         };
         let _ = flow.up.send(&buf[..n]).await;
+        flow.rt.record_traffic(n as u64, 1);
     }
 }
 
@@ -82,20 +84,24 @@ async fn open_flow(
     let flow = Arc::new(Flow {
         up: Arc::new(up),
         dead: AtomicBool::new(false),
+        rt: rt.clone(),
     });
     let f2 = flow.clone();
     let sock = sock.clone();
     let vs = vs.clone();
     rt.active.fetch_add(1, Ordering::Relaxed);
+    let rkill = rt.kill_token();
     tokio::spawn(async move {
         let _g = ConnGuard::new();
         let mut buf = vec![0u8; 65536];
         loop {
             tokio::select! {
+                _ = rkill.cancelled() => break,
                 _ = vs.kill.cancelled() => break,
                 r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
                     Ok(Ok(n)) => {
                         add_bytes(n);
+                        rt.record_traffic(n as u64, 1);
                         let _ = sock.send_to(&buf[..n], peer).await;
                     }
                     Ok(Err(_)) | Err(_) => break,

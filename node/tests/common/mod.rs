@@ -86,6 +86,8 @@ pub struct HttpBackend {
     pub hits: Arc<AtomicU64>,
     /// Connections accepted.
     pub conns: Arc<AtomicU64>,
+    /// Arrival time of every request (HTTP backends).
+    pub stamps: Arc<std::sync::Mutex<Vec<Instant>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -102,14 +104,25 @@ impl HttpBackend {
 }
 
 pub async fn http_backend(addr: &str, name: &'static str) -> HttpBackend {
+    http_backend_with_delay(addr, name, Duration::ZERO).await
+}
+
+/// Like [`http_backend`], answering every request after `delay`.
+pub async fn http_backend_with_delay(
+    addr: &str,
+    name: &'static str,
+    delay: Duration,
+) -> HttpBackend {
     let l = TcpListener::bind(addr)
         .await
         .unwrap_or_else(|e| panic!("bind backend {addr}: {e}"));
     let addr = l.local_addr().unwrap();
     let hits = Arc::new(AtomicU64::new(0));
     let conns = Arc::new(AtomicU64::new(0));
+    let stamps = Arc::new(std::sync::Mutex::new(Vec::new()));
     let h = hits.clone();
     let cc = conns.clone();
+    let st = stamps.clone();
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = l.accept().await else {
@@ -117,6 +130,7 @@ pub async fn http_backend(addr: &str, name: &'static str) -> HttpBackend {
             };
             cc.fetch_add(1, Ordering::SeqCst);
             let h = h.clone();
+            let st = st.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut tmp = [0u8; 4096];
@@ -134,9 +148,12 @@ pub async fn http_backend(addr: &str, name: &'static str) -> HttpBackend {
                     let head = String::from_utf8_lossy(&buf[..end]).to_string();
                     buf.drain(..end);
                     h.fetch_add(1, Ordering::SeqCst);
+                    st.lock().unwrap().push(Instant::now());
                     let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
                     if path.starts_with("/slow") {
                         tokio::time::sleep(Duration::from_millis(1500)).await;
+                    } else if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
                     }
                     let body: Vec<u8> = if path.starts_with("/big") {
                         vec![b'x'; 1 << 20]
@@ -160,6 +177,7 @@ pub async fn http_backend(addr: &str, name: &'static str) -> HttpBackend {
         addr,
         hits,
         conns,
+        stamps,
         task,
     }
 }
@@ -200,6 +218,7 @@ pub async fn tcp_backend(addr: &str, name: &'static str) -> HttpBackend {
         addr,
         hits: hits.clone(),
         conns: hits,
+        stamps: Arc::new(std::sync::Mutex::new(Vec::new())),
         task,
     }
 }
@@ -282,4 +301,59 @@ pub async fn http_get(addr: &str, path: &str) -> HttpResp {
         .await
         .unwrap_or_else(|_| panic!("GET {addr}{path}: no response within 5 s"))
         .unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
+}
+
+// --- `serve` and its gRPC API -------------------------------------------------
+
+pub const TOKEN: &str = "test-node-token";
+
+pub type AddToken =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+pub type Client = lbscale_proto::node_api_client::NodeApiClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
+>;
+
+/// Starts `lbscale-node serve` on `ip` (API port 7070) with `extra` options; returns
+/// the process guard and the directory holding `node.log`.
+pub fn start_serve(name: &str, ip: &str, extra: &[&str]) -> (Proc, PathBuf) {
+    let dir = tmpdir(name);
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let mut args = vec![
+        "serve",
+        "--node-id",
+        name,
+        "--listen-ip",
+        ip,
+        "--api-port",
+        "7070",
+        "--token-file",
+        token_file.to_str().unwrap(),
+        "--memory-limit-mb",
+        "512",
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn(name, &args, &dir.join("node.log"));
+    p.wait_ready(Duration::from_secs(10));
+    (p, dir)
+}
+
+pub async fn api_client(ip: &str) -> Client {
+    let ch = tokio::time::timeout(
+        Duration::from_secs(5),
+        tonic::transport::Channel::from_shared(format!("http://{ip}:7070"))
+            .unwrap()
+            .connect(),
+    )
+    .await
+    .expect("connect to node API within 5 s")
+    .expect("connect to node API");
+    let hv: tonic::metadata::MetadataValue<_> = format!("Bearer {TOKEN}").parse().unwrap();
+    #[allow(clippy::result_large_err)]
+    let f: AddToken = Box::new(move |mut r: tonic::Request<()>| {
+        r.metadata_mut()
+            .insert(lbscale_proto::AUTH_HEADER, hv.clone());
+        Ok(r)
+    });
+    lbscale_proto::node_api_client::NodeApiClient::with_interceptor(ch, f)
 }
