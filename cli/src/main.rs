@@ -21,6 +21,12 @@ commands:
   slowstart FILE|-       request rates of a vserver's services under slow start
   se-plan --nodes N [--forwarding-cost X] [--mode native|bgp|native_and_bgp]
                          capacity and shares of a vserver scaled out over N nodes
+  daemon --state URL [--listen 127.0.0.1:9464] [--address-prefix P] [--node-binary PATH]
+         [--log-format text|json]
+                         scale every group of the store between applies
+  status --state URL     every group with its nodes per AZ
+  events --state URL [--group NAME] [--limit N]
+                         recorded decisions and workflow steps
 ";
 
 fn main() -> ExitCode {
@@ -39,7 +45,7 @@ fn run(args: &[String]) -> Result<(), CliError> {
         Some((c, rest)) => (c.as_str(), rest),
         None => {
             return Err(CliError::Usage(
-                "command: must be one of simulate, slowstart, se-plan, got nothing".into(),
+                "command: must be one of simulate, slowstart, se-plan, daemon, status, events, got nothing".into(),
             ))
         }
     };
@@ -47,12 +53,15 @@ fn run(args: &[String]) -> Result<(), CliError> {
         "simulate" => cmd::simulate::run(rest),
         "slowstart" => cmd::slowstart::run(rest),
         "se-plan" => cmd::seplan::run(rest),
+        "daemon" => cmd::daemon::run(rest),
+        "status" => cmd::status::run(rest),
+        "events" => cmd::events::run(rest),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
         }
         other => Err(CliError::Usage(format!(
-            "command: must be one of simulate, slowstart, se-plan, got {other:?}"
+            "command: must be one of simulate, slowstart, se-plan, daemon, status, events, got {other:?}"
         ))),
     }
 }

@@ -207,7 +207,7 @@ fn broken_json_and_missing_file_exit_2() {
     assert!(line.starts_with("error: FILE: "), "{line}");
     assert_eq!(
         error_line(&lbscale(&["frobnicate"], None)),
-        "error: command: must be one of simulate, slowstart, se-plan, got \"frobnicate\""
+        "error: command: must be one of simulate, slowstart, se-plan, daemon, status, events, got \"frobnicate\""
     );
 }
 

@@ -1,5 +1,8 @@
 //! One module per subcommand; each exposes `run(args) -> Result<(), CliError>`.
 
+pub mod daemon;
+pub mod events;
 pub mod seplan;
 pub mod simulate;
 pub mod slowstart;
+pub mod status;

@@ -1,0 +1,159 @@
+//! `lbscale daemon --state URL [--listen 127.0.0.1:9464] [--address-prefix P]
+//! [--node-binary PATH] [--dns-port N] [--node-api-port N] [--log-format text|json]`:
+//! the sidecar that scales every group of the store between applies (see the
+//! `lbscale-daemon` crate). Runs until SIGTERM or SIGINT, then exits 0 after the
+//! evaluations in flight.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use lbscale_daemon::DaemonConfig;
+use lbscale_engine::cloud::local::check_address_prefix;
+
+use crate::output::CliError;
+
+const FLAGS: &str = "--state, --listen, --address-prefix, --node-binary, --dns-port, --node-api-port, --log-format, --shutdown-grace";
+
+/// Splits `--flag value` / `--flag=value` pairs.
+pub fn flag_pairs(args: &[String], known: &str) -> Result<Vec<(String, String)>, CliError> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let (flag, inline) = match args[i].split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (args[i].clone(), None),
+        };
+        if !flag.starts_with("--") {
+            return Err(CliError::Usage(format!(
+                "arguments: must be flags ({known}), got {flag:?}"
+            )));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                args.get(i).cloned().ok_or_else(|| {
+                    CliError::Usage(format!("{flag}: must be followed by a value, got nothing"))
+                })?
+            }
+        };
+        out.push((flag, value));
+        i += 1;
+    }
+    Ok(out)
+}
+
+pub fn check_state_url(url: &str) -> Result<(), CliError> {
+    match url.strip_prefix("sqlite://") {
+        Some(rest) if !rest.is_empty() => Ok(()),
+        _ => Err(CliError::Usage(format!(
+            "--state: must be sqlite://PATH (relative to the current directory), got {url:?}"
+        ))),
+    }
+}
+
+fn port(flag: &str, v: &str) -> Result<u16, CliError> {
+    v.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+        CliError::Usage(format!("{flag}: must be a port from 1 to 65535, got {v:?}"))
+    })
+}
+
+/// Runs the command.
+pub fn run(args: &[String]) -> Result<(), CliError> {
+    let mut state = None;
+    let mut listen: SocketAddr = "127.0.0.1:9464".parse().expect("default listen address");
+    let mut local = lbscale_engine::cloud::local::LocalSettings::default();
+    let mut json_logs = false;
+    let mut grace = None;
+    for (flag, value) in flag_pairs(args, FLAGS)? {
+        match flag.as_str() {
+            "--state" => {
+                check_state_url(&value)?;
+                state = Some(value);
+            }
+            "--listen" => {
+                listen = value.parse().map_err(|_| {
+                    CliError::Usage(format!(
+                        "--listen: must be IP:PORT such as 127.0.0.1:9464, got {value:?}"
+                    ))
+                })?;
+            }
+            "--address-prefix" => {
+                check_address_prefix(&value)
+                    .map_err(|e| CliError::Usage(format!("--address-prefix: {e}")))?;
+                local.address_prefix = value;
+            }
+            "--node-binary" => local.node_binary = Some(PathBuf::from(value)),
+            "--dns-port" => local.dns_port = port("--dns-port", &value)?,
+            "--node-api-port" => local.node_api_port = port("--node-api-port", &value)?,
+            "--log-format" => {
+                json_logs = match value.as_str() {
+                    "text" => false,
+                    "json" => true,
+                    _ => {
+                        return Err(CliError::Usage(format!(
+                            "--log-format: must be one of text, json, got {value:?}"
+                        )))
+                    }
+                }
+            }
+            "--shutdown-grace" => {
+                grace = Some(lbscale_core::duration::parse_duration(&value).map_err(|_| {
+                    CliError::Usage(format!(
+                        "--shutdown-grace: must be a duration such as 60s, got {value:?}"
+                    ))
+                })?);
+            }
+            other => {
+                return Err(CliError::Usage(format!(
+                    "{other}: must be one of {FLAGS}, got an unknown argument"
+                )))
+            }
+        }
+    }
+    let state = state.ok_or_else(|| {
+        CliError::Usage("--state: must be given (sqlite://PATH), got nothing".into())
+    })?;
+    init_logs(json_logs);
+    let cwd =
+        std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
+    let mut cfg = DaemonConfig::new(&state, cwd, listen);
+    cfg.local = local;
+    if let Some(g) = grace {
+        cfg.shutdown_grace = g;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Output(format!("cannot start the runtime: {e}")))?;
+    rt.block_on(async move { lbscale_daemon::run(cfg, shutdown_signal()).await })
+        .map_err(|e| CliError::Output(e.to_string()))
+}
+
+fn init_logs(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LBSCALE_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Resolves at the first SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    let name = tokio::select! {
+        _ = async { match term.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => "SIGTERM",
+        _ = async { match int.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => "SIGINT",
+    };
+    tracing::info!(signal = name, "stopping");
+}

@@ -1,0 +1,108 @@
+//! `lbscale status --state URL`: every group of the store with its nodes per AZ,
+//! as a table (what the store and the node processes show now).
+
+use lbscale_engine::cloud::local::LocalSettings;
+use lbscale_engine::Engine;
+
+use crate::cmd::daemon::{check_state_url, flag_pairs};
+use crate::output::CliError;
+
+pub fn run(args: &[String]) -> Result<(), CliError> {
+    let mut state = None;
+    for (flag, value) in flag_pairs(args, "--state")? {
+        match flag.as_str() {
+            "--state" => {
+                check_state_url(&value)?;
+                state = Some(value)
+            }
+            other => {
+                return Err(CliError::Usage(format!(
+                    "{other}: must be --state, got an unknown argument"
+                )))
+            }
+        }
+    }
+    let state = state.ok_or_else(|| {
+        CliError::Usage("--state: must be given (sqlite://PATH), got nothing".into())
+    })?;
+    let cwd =
+        std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
+    let engine = Engine::open(&state, &cwd, LocalSettings::default())
+        .map_err(|e| CliError::Output(format!("--state: {e}")))?;
+    let groups = engine
+        .store
+        .all_groups()
+        .map_err(|e| CliError::Output(e.to_string()))?;
+    let mut rows = vec![["GROUP", "AZ", "MIN", "MAX", "SERVING", "NODES", "STATUS"]
+        .map(String::from)
+        .to_vec()];
+    for g in &groups {
+        let Some(view) = engine
+            .group_view(&g.id)
+            .map_err(|e| CliError::Output(e.to_string()))?
+        else {
+            continue;
+        };
+        let status = view.status();
+        for az in &view.spec.availability_zones {
+            let nodes: Vec<_> = view
+                .nodes
+                .iter()
+                .filter(|n| &n.availability_zone == az)
+                .collect();
+            let serving = nodes.iter().filter(|n| n.serving).count();
+            let mut by_state = std::collections::BTreeMap::<&str, usize>::new();
+            for n in &nodes {
+                *by_state.entry(n.state.as_str()).or_default() += 1;
+            }
+            let states = if by_state.is_empty() {
+                "-".to_string()
+            } else {
+                by_state
+                    .iter()
+                    .map(|(s, n)| format!("{n} {s}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            rows.push(vec![
+                g.spec.name.clone(),
+                az.clone(),
+                g.spec.min_nodes.to_string(),
+                g.spec.max_nodes.to_string(),
+                serving.to_string(),
+                states,
+                status.clone(),
+            ]);
+        }
+    }
+    print_table(&rows);
+    if groups.is_empty() {
+        println!("(no autoscale groups in the store)");
+    }
+    Ok(())
+}
+
+/// Prints rows as columns separated by two spaces (the last column unpadded).
+pub fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows {
+        let mut line = String::new();
+        for (c, cell) in r.iter().enumerate() {
+            if c + 1 == r.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
+            }
+        }
+        println!("{}", line.trim_end());
+    }
+}

@@ -1,0 +1,205 @@
+//! The daemon's HTTP listener: four GET routes over a hand-rolled HTTP/1.1 (one
+//! request per connection, `Connection: close`). Every read is bounded.
+//!
+//! - `/healthz`: 200 `ok`;
+//! - `/metrics`: Prometheus text;
+//! - `/v1/groups`: every group with each AZ's phase and node counts (JSON);
+//! - `/v1/events?group=NAME[&limit=N]`: the group's recent events (JSON).
+
+use crate::Shared;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_HEAD: usize = 16 * 1024;
+
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = handle(stream, &shared).await {
+                        tracing::debug!(error = %e, "http connection");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "http accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(buf);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.windows(2).any(|w| w == b"\n\n") {
+            return Ok(buf);
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(std::io::Error::other("request head too large"));
+        }
+    }
+}
+
+async fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    let head = tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream))
+        .await
+        .map_err(|_| std::io::Error::other("read timed out"))??;
+    let text = String::from_utf8_lossy(&head);
+    let line = text.lines().next().unwrap_or("");
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (status, ctype, body) = route(method, target, shared);
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Internal Server Error",
+    };
+    let resp = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(resp.as_bytes()).await?;
+        if method != "HEAD" {
+            stream.write_all(body.as_bytes()).await?;
+        }
+        stream.shutdown().await
+    };
+    tokio::time::timeout(WRITE_TIMEOUT, write)
+        .await
+        .map_err(|_| std::io::Error::other("write timed out"))?
+}
+
+const JSON: &str = "application/json";
+const TEXT: &str = "text/plain; charset=utf-8";
+const PROM: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+fn route(method: &str, target: &str, shared: &Shared) -> (u16, &'static str, String) {
+    if method != "GET" && method != "HEAD" {
+        return (405, TEXT, "only GET\n".into());
+    }
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    match path {
+        "/healthz" => (200, TEXT, "ok\n".into()),
+        "/metrics" => (200, PROM, shared.metrics.render()),
+        "/v1/groups" => {
+            let groups = shared.status_snapshot();
+            (200, JSON, json!({ "groups": groups }).to_string())
+        }
+        "/v1/events" => events(query, shared),
+        _ => (404, TEXT, "not found\n".into()),
+    }
+}
+
+fn events(query: &str, shared: &Shared) -> (u16, &'static str, String) {
+    let mut group = None;
+    let mut limit = 200usize;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "group" => group = Some(percent_decode(v)),
+            "limit" => match v.parse::<usize>() {
+                Ok(n) if (1..=10_000).contains(&n) => limit = n,
+                _ => {
+                    return (
+                        400,
+                        JSON,
+                        json!({"error": format!("limit: must be a whole number from 1 to 10000, got {v:?}")})
+                            .to_string(),
+                    )
+                }
+            },
+            _ => {}
+        }
+    }
+    let store = &shared.engine.store;
+    let groups = match &group {
+        Some(name) => match store.group_by_name(name) {
+            Ok(Some(g)) => vec![g],
+            Ok(None) => {
+                return (
+                    404,
+                    JSON,
+                    json!({"error": format!("group: no autoscale group named {name:?}")})
+                        .to_string(),
+                )
+            }
+            Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),
+        },
+        None => match store.all_groups() {
+            Ok(g) => g,
+            Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),
+        },
+    };
+    let mut out = Vec::new();
+    for g in groups {
+        match store.events_of_group(&g.id, limit) {
+            Ok(evs) => out.extend(evs.into_iter().map(|e| {
+                json!({
+                    "time_ms": e.time_ms,
+                    "group": g.spec.name,
+                    "group_id": e.group_id,
+                    "az": e.az,
+                    "kind": e.kind,
+                    "reason": e.reason,
+                })
+            })),
+            Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),
+        }
+    }
+    out.sort_by_key(|e| e["time_ms"].as_i64().unwrap_or(0));
+    (200, JSON, json!({ "events": out }).to_string())
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_decode;
+
+    #[test]
+    fn decodes_percent_escapes() {
+        assert_eq!(percent_decode("a%2Db"), "a-b");
+        assert_eq!(percent_decode("a%2"), "a%2");
+        assert_eq!(percent_decode("web+1"), "web 1");
+    }
+}

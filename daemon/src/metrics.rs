@@ -1,0 +1,241 @@
+//! What the daemon exposes: Prometheus metrics and the per-group status behind
+//! `/v1/groups`. Both are small maps behind a mutex, written by the group tasks
+//! and read by the HTTP listener.
+
+use lbscale_core::policy::PhaseKind;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::time::Duration;
+
+#[derive(Default)]
+struct Inner {
+    /// (group, az, state) -> nodes; replaced per group on every evaluation.
+    nodes: BTreeMap<(String, String, String), u64>,
+    /// (group, az, metric) -> last sample value.
+    samples: BTreeMap<(String, String, &'static str), f64>,
+    /// (group, az, action) -> decisions taken.
+    decisions: BTreeMap<(String, String, &'static str), u64>,
+    /// group -> errors (store, node API, workflow failures).
+    errors: BTreeMap<String, u64>,
+    /// step kind -> (sum of seconds, count).
+    workflows: BTreeMap<&'static str, (f64, u64)>,
+    /// Evaluations run (all groups).
+    evaluations: u64,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Metrics {
+    fn with<T>(&self, f: impl FnOnce(&mut Inner) -> T) -> T {
+        f(&mut self.inner.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Replaces the node counts and samples of one AZ of `group`.
+    pub fn set_az(
+        &self,
+        group: &str,
+        az: &str,
+        nodes: &BTreeMap<String, u64>,
+        sample: Option<&SampleOut>,
+    ) {
+        self.with(|m| {
+            m.nodes.retain(|(g, a, _), _| !(g == group && a == az));
+            for (state, n) in nodes {
+                m.nodes
+                    .insert((group.to_string(), az.to_string(), state.clone()), *n);
+            }
+            m.samples.retain(|(g, a, _), _| !(g == group && a == az));
+            if let Some(s) = sample {
+                for (metric, v) in [
+                    ("cpu", s.cpu),
+                    ("memory", s.memory),
+                    ("throughput", s.throughput),
+                ] {
+                    m.samples
+                        .insert((group.to_string(), az.to_string(), metric), v);
+                }
+            }
+        })
+    }
+
+    pub fn evaluated(&self) {
+        self.with(|m| m.evaluations += 1)
+    }
+
+    pub fn decision(&self, group: &str, az: &str, action: &'static str) {
+        self.with(|m| {
+            *m.decisions
+                .entry((group.to_string(), az.to_string(), action))
+                .or_default() += 1
+        })
+    }
+
+    pub fn error(&self, group: &str) {
+        self.with(|m| *m.errors.entry(group.to_string()).or_default() += 1)
+    }
+
+    pub fn workflow(&self, step: &'static str, took: Duration) {
+        self.with(|m| {
+            let e = m.workflows.entry(step).or_default();
+            e.0 += took.as_secs_f64();
+            e.1 += 1;
+        })
+    }
+
+    /// Drops the series of a group that no longer exists.
+    pub fn forget_group(&self, group: &str) {
+        self.with(|m| {
+            m.nodes.retain(|(g, _, _), _| g != group);
+            m.samples.retain(|(g, _, _), _| g != group);
+            m.decisions.retain(|(g, _, _), _| g != group);
+            m.errors.remove(group);
+        })
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn render(&self) -> String {
+        self.with(|m| {
+            let mut out = String::new();
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_nodes Nodes of a group's AZ cluster by lifecycle state.\n# TYPE lbscale_nodes gauge"
+            );
+            for ((g, az, state), n) in &m.nodes {
+                let _ = writeln!(
+                    out,
+                    "lbscale_nodes{{group=\"{}\",az=\"{}\",state=\"{}\"}} {n}",
+                    esc(g),
+                    esc(az),
+                    esc(state)
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_sample Last sample of an AZ cluster: mean over its serving nodes (cpu and memory in percent, throughput in Mbps).\n# TYPE lbscale_sample gauge"
+            );
+            for ((g, az, metric), v) in &m.samples {
+                let _ = writeln!(
+                    out,
+                    "lbscale_sample{{group=\"{}\",az=\"{}\",metric=\"{metric}\"}} {}",
+                    esc(g),
+                    esc(az),
+                    num(*v)
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_decisions_total Scaling decisions taken by this daemon.\n# TYPE lbscale_decisions_total counter"
+            );
+            for ((g, az, action), n) in &m.decisions {
+                let _ = writeln!(
+                    out,
+                    "lbscale_decisions_total{{group=\"{}\",az=\"{}\",action=\"{action}\"}} {n}",
+                    esc(g),
+                    esc(az)
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_errors_total Errors while evaluating or scaling a group.\n# TYPE lbscale_errors_total counter"
+            );
+            for (g, n) in &m.errors {
+                let _ = writeln!(out, "lbscale_errors_total{{group=\"{}\"}} {n}", esc(g));
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_workflow_seconds Duration of scaling workflows.\n# TYPE lbscale_workflow_seconds summary"
+            );
+            for (step, (sum, count)) in &m.workflows {
+                let _ = writeln!(
+                    out,
+                    "lbscale_workflow_seconds_sum{{step=\"{step}\"}} {}\nlbscale_workflow_seconds_count{{step=\"{step}\"}} {count}",
+                    num(*sum)
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_evaluations_total Group evaluations run by this daemon.\n# TYPE lbscale_evaluations_total counter\nlbscale_evaluations_total {}",
+                m.evaluations
+            );
+            out
+        })
+    }
+}
+
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v}")
+    } else {
+        "NaN".into()
+    }
+}
+
+/// One AZ's sample: the mean over the serving nodes that answered.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SampleOut {
+    pub cpu: f64,
+    pub memory: f64,
+    pub throughput: f64,
+    /// How many serving nodes answered.
+    pub nodes: u32,
+}
+
+impl SampleOut {
+    pub fn describe(&self) -> String {
+        format!(
+            "cpu {:.1}%, memory {:.1}%, throughput {:.2} Mbps (mean of {} node(s))",
+            self.cpu, self.memory, self.throughput, self.nodes
+        )
+    }
+}
+
+/// One AZ of a group as `/v1/groups` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AzStatus {
+    pub az: String,
+    /// What the policy is doing: evaluating, provisioning, cooldown, ttl,
+    /// draining, deprovisioning.
+    pub phase: PhaseKind,
+    /// Nodes registered with the distributor (the policy's count).
+    pub serving: u32,
+    /// Nodes in the cloud (the policy's count).
+    pub provisioned: u32,
+    /// Nodes by observed lifecycle state.
+    pub nodes: BTreeMap<String, u64>,
+    pub sample: Option<SampleOut>,
+    /// Consecutive scale-out breaching samples, per metric.
+    pub out_streak: BTreeMap<&'static str, u32>,
+    /// Consecutive samples with every metric below its min.
+    pub in_streak: u32,
+}
+
+/// One group as `/v1/groups` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct GroupStatus {
+    pub id: String,
+    pub name: String,
+    pub min_nodes: i64,
+    pub max_nodes: i64,
+    pub stats_interval: String,
+    /// `self` when this daemon evaluates the group, else the holder that does.
+    pub owner: String,
+    /// Unix ms of the last evaluation by this daemon.
+    pub last_evaluated_ms: Option<i64>,
+    /// The workflow running now (`scale_out az1`), if any.
+    pub in_flight: Option<String>,
+    /// Who held the group's lease at the last tick, when it was skipped for that.
+    pub skipped_for: Option<String>,
+    pub last_error: Option<String>,
+    pub azs: Vec<AzStatus>,
+}

@@ -1,0 +1,670 @@
+//! `lbscale daemon` end to end: the built binary against the store that real
+//! Terraform applied, real node processes, real HTTP traffic through a node.
+//!
+//! - the scale-out / scale-in cycle driven by throughput, with the plan empty after;
+//! - an apply that changes max_nodes is honoured by the running daemon;
+//! - a second daemon on the same store leaves alone a group that the first one
+//!   evaluates, and takes it over when the first one dies.
+
+use lbscale_acceptance::*;
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+const SIGKILL: i32 = 9;
+const SIGTERM: i32 = 15;
+
+/// Scale out above 8 Mbps per node, scale in below 1 Mbps. The load generator
+/// below moves tens of Mbps; an idle node moves nothing.
+fn config(name: &str, max_nodes: u32, backend: u16) -> String {
+    format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name   = "{name}-dns"
+  cloud  = "local"
+  mode   = "dns"
+  domain = "{name}.lbscale.test"
+  ttl    = "1s"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "{name}"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = {max_nodes}
+  stats_interval         = "1s"
+  watch_time             = "2s"
+  cooldown               = "3s"
+  drain_timeout          = "2s"
+  threshold {{
+    metric = "throughput"
+    min    = 1
+    max    = 8
+  }}
+}}
+
+resource "lbscale_se_group" "s" {{
+  name               = "{name}-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}}
+
+resource "lbscale_vserver" "web" {{
+  name         = "{name}-web"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  service {{
+    name    = "big"
+    address = "127.0.0.1"
+    port    = {backend}
+  }}
+}}
+
+output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
+"#
+    )
+}
+
+/// A backend that answers every request with a 64 KiB body.
+fn big_backend() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_big(stream));
+        }
+    });
+    port
+}
+
+fn serve_big(mut s: TcpStream) {
+    use std::io::{BufRead, BufReader};
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let body = vec![b'x'; 64 * 1024];
+    let mut reader = BufReader::new(s.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == "\r\n" || h == "\n" {
+                break;
+            }
+        }
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: keep-alive\r\n\r\n",
+            body.len()
+        );
+        if s.write_all(head.as_bytes()).is_err() || s.write_all(&body).is_err() {
+            return;
+        }
+    }
+}
+
+/// HTTP GETs through `ip:8080`, two threads, ~50 requests/s each (tens of Mbps),
+/// until dropped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(ip: &str, host: &str) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let threads = (0..2)
+            .map(|_| {
+                let (stop, ok) = (stop.clone(), ok.clone());
+                let (ip, host) = (ip.to_string(), host.to_string());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        if let Ok((200, _, body)) = http_get(&ip, 8080, &host) {
+                            if body.len() >= 64 * 1024 {
+                                ok.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        Load { stop, ok, threads }
+    }
+    fn stop(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.ok.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A running `lbscale daemon`; killed when dropped.
+struct Daemon {
+    child: Option<Child>,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn start(ws: &Workspace, port: u16, tag: &str) -> Daemon {
+        let log = ws.dir.join(format!("daemon-{tag}.log"));
+        let child = Command::new(bin_dir().join("lbscale"))
+            .args([
+                "daemon",
+                "--state",
+                "sqlite://.lbscale/state.db",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--address-prefix",
+                &ws.prefix,
+                "--node-binary",
+                bin_dir().join("lbscale-node").to_str().unwrap(),
+                "--log-format",
+                "json",
+            ])
+            .current_dir(&ws.dir)
+            .env("LBSCALE_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start lbscale daemon");
+        let d = Daemon {
+            child: Some(child),
+            port,
+            log,
+        };
+        wait_for("the daemon's /healthz", Duration::from_secs(10), || {
+            matches!(d.get("/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
+        });
+        d
+    }
+
+    fn get(&self, path: &str) -> Result<(u16, String), String> {
+        get(self.port, path)
+    }
+
+    fn json(&self, path: &str) -> Value {
+        let (code, body) = self.get(path).unwrap();
+        assert_eq!(code, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn group(&self, name: &str) -> Value {
+        self.json("/v1/groups")["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["name"] == name)
+            .cloned()
+            .unwrap_or(Value::Null)
+    }
+
+    fn metrics(&self) -> String {
+        self.get("/metrics").unwrap().1
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; the daemon must exit 0 within 15 s.
+    fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        unsafe { kill(child.id() as i32, SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "daemon exited with {status}:\n{}",
+                    self.logs()
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon did not exit within 15 s of SIGTERM:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL, as a crash.
+    fn crash(mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { kill(c.id() as i32, SIGKILL) };
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { kill(c.id() as i32, SIGKILL) };
+            let _ = c.wait();
+            if std::thread::panicking() {
+                eprintln!(
+                    "--- daemon log {} ---\n{}",
+                    self.log.display(),
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+        }
+    }
+}
+
+fn get(port: u16, path: &str) -> Result<(u16, String), String> {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or("no response")?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or("bad status line")?;
+    Ok((code, body.to_string()))
+}
+
+/// Serving nodes of the group in the store: (id, ip).
+fn serving(ws: &Workspace, group: &str) -> Vec<(String, String)> {
+    let store = ws.store();
+    let g = store
+        .group_by_name(group)
+        .unwrap()
+        .expect("group in the store");
+    store
+        .nodes_of_group(&g.id)
+        .unwrap()
+        .into_iter()
+        .filter(|n| n.registered && n.state.as_str() == "active")
+        .map(|n| (n.id, n.private_ip))
+        .collect()
+}
+
+fn events(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::Event> {
+    let store = ws.store();
+    let g = store
+        .group_by_name(group)
+        .unwrap()
+        .expect("group in the store");
+    store.events_of_group(&g.id, 1000).unwrap()
+}
+
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
+}
+
+fn lbscale(ws: &Workspace, args: &[&str]) -> String {
+    let out = Command::new(bin_dir().join("lbscale"))
+        .args(args)
+        .current_dir(&ws.dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lbscale {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn daemon_scales_out_under_load_and_back_in_when_idle() {
+    let backend = big_backend();
+    let mut ws = Workspace::new("daemon-cycle", 120);
+    ws.write(&config("dcyc", 2, backend));
+    ws.apply();
+    let dns = ws.outputs()["dns"]["value"].as_str().unwrap().to_string();
+    let first = dig(&dns, "dcyc.lbscale.test");
+    assert_eq!(first.len(), 1, "one node after apply: {first:?}");
+
+    let daemon = Daemon::start(&ws, 19471, "cycle");
+    // Idle at min_nodes: evaluated, but no decision.
+    wait_for(
+        "the daemon's first evaluation",
+        Duration::from_secs(10),
+        || {
+            let g = daemon.group("dcyc");
+            (g["owner"] == "self" && g["azs"][0]["phase"] == "evaluating").then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(serving(&ws, "dcyc").len(), 1, "no scale-in below min_nodes");
+
+    let load = Load::start(&first[0], "dcyc.lbscale.test");
+    let new_ip = wait_for(
+        "scale-out to 2 serving nodes",
+        Duration::from_secs(30),
+        || {
+            let s = serving(&ws, "dcyc");
+            (s.len() == 2).then(|| s.into_iter().find(|(_, ip)| *ip != first[0]).unwrap().1)
+        },
+    );
+    // The new node serves HTTP (through to the backend) and is in DNS.
+    wait_for(
+        "the new node to serve HTTP",
+        Duration::from_secs(10),
+        || {
+            matches!(http_get(&new_ip, 8080, "dcyc.lbscale.test"), Ok((200, _, ref b)) if b.len() >= 64 * 1024).then_some(())
+        },
+    );
+    let served_at = lbscale_engine::store::now_ms();
+    let ev = events(&ws, "dcyc");
+    let decided = ev
+        .iter()
+        .find(|e| e.kind == "scale_out")
+        .expect("a scale_out event");
+    assert!(
+        decided.reason.contains("throughput") && decided.reason.contains("Mbps"),
+        "the decision names the metric and the sample: {}",
+        decided.reason
+    );
+    eprintln!(
+        "MEASURE breach confirmed -> new node serving HTTP: {} ms",
+        served_at - decided.time_ms
+    );
+    wait_for("the new node in DNS", Duration::from_secs(5), || {
+        dig(&dns, "dcyc.lbscale.test")
+            .contains(&new_ip)
+            .then_some(())
+    });
+    assert_eq!(
+        ev.iter().filter(|e| e.kind == "scale_out").count(),
+        1,
+        "one scale-out (max_nodes 2)"
+    );
+    let m = daemon.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            r#"lbscale_decisions_total{group="dcyc",az="az1",action="scale_out"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(
+        metric(&m, r#"lbscale_workflow_seconds_count{step="scale_out"}"#) == Some(1.0),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"lbscale_sample{group="dcyc",az="az1",metric="throughput"}"#),
+        "{m}"
+    );
+    assert!(load.stop() > 20, "the load generator got answers");
+
+    // Idle again: after the cooldown, two samples below 1 Mbps scale in.
+    wait_for("scale-in back to 1 node", Duration::from_secs(30), || {
+        (serving(&ws, "dcyc").len() == 1
+            && events(&ws, "dcyc").iter().any(|e| e.kind == "node_removed"))
+        .then_some(())
+    });
+    wait_for("DNS back to one address", Duration::from_secs(5), || {
+        (dig(&dns, "dcyc.lbscale.test") == first).then_some(())
+    });
+    let ev = events(&ws, "dcyc");
+    let kinds: Vec<&str> = ev.iter().map(|e| e.kind.as_str()).collect();
+    for k in [
+        "scale_out",
+        "node_joining",
+        "cooldown_end",
+        "scale_in",
+        "drain_end",
+        "node_removed",
+    ] {
+        assert!(kinds.contains(&k), "no {k} event in {kinds:?}");
+    }
+    let scale_in = ev.iter().find(|e| e.kind == "scale_in").unwrap();
+    assert!(
+        scale_in.reason.contains("throughput") && scale_in.reason.contains("< 1"),
+        "{}",
+        scale_in.reason
+    );
+    let api = daemon.json("/v1/events?group=dcyc");
+    assert!(
+        api["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "scale_in"),
+        "{api}"
+    );
+    assert_eq!(daemon.get("/v1/events?group=nope").unwrap().0, 404);
+    wait_for(
+        "/v1/groups to show one active node",
+        Duration::from_secs(5),
+        || {
+            let g = daemon.group("dcyc");
+            (g["azs"][0]["nodes"]["active"] == 1 && g["azs"][0]["phase"] == "evaluating")
+                .then_some(())
+        },
+    );
+    let m = daemon.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            r#"lbscale_decisions_total{group="dcyc",az="az1",action="scale_in"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, r#"lbscale_nodes{group="dcyc",az="az1",state="active"}"#),
+        Some(1.0),
+        "{m}"
+    );
+
+    let status = lbscale(&ws, &["status", "--state", "sqlite://.lbscale/state.db"]);
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("dcyc") && l.contains("1 active") && l.ends_with("ok")),
+        "{status}"
+    );
+    let table = lbscale(
+        &ws,
+        &[
+            "events",
+            "--state",
+            "sqlite://.lbscale/state.db",
+            "--group",
+            "dcyc",
+        ],
+    );
+    assert!(
+        table.contains("scale_out") && table.contains("node_removed"),
+        "{table}"
+    );
+
+    ws.assert_plan_empty("the daemon scaled out and in");
+    daemon.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
+
+#[test]
+fn daemon_honours_max_nodes_changed_by_an_apply() {
+    let backend = big_backend();
+    let mut ws = Workspace::new("daemon-max", 121);
+    ws.write(&config("dmax", 1, backend));
+    ws.apply();
+    let dns = ws.outputs()["dns"]["value"].as_str().unwrap().to_string();
+    let ip = dig(&dns, "dmax.lbscale.test").remove(0);
+    let daemon = Daemon::start(&ws, 19472, "max");
+    let load = Load::start(&ip, "dmax.lbscale.test");
+    // Breaching for 6 s (3x the watch time) at max_nodes 1: no scale-out.
+    wait_for("a breaching sample", Duration::from_secs(10), || {
+        metric(
+            &daemon.metrics(),
+            r#"lbscale_sample{group="dmax",az="az1",metric="throughput"}"#,
+        )
+        .filter(|v| *v > 8.0)
+        .map(|_| ())
+    });
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        assert_eq!(serving(&ws, "dmax").len(), 1, "scaled out past max_nodes 1");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!events(&ws, "dmax").iter().any(|e| e.kind == "scale_out"));
+    let g = daemon.group("dmax");
+    assert_eq!(g["max_nodes"], 1, "{g}");
+    assert!(
+        g["azs"][0]["out_streak"]["throughput"].as_u64().unwrap() >= 2,
+        "breach seen: {g}"
+    );
+
+    // Raised to 2 by Terraform while the daemon runs: it scales out.
+    ws.write(&config("dmax", 2, backend));
+    ws.apply();
+    wait_for(
+        "scale-out after max_nodes = 2",
+        Duration::from_secs(20),
+        || (serving(&ws, "dmax").len() == 2).then_some(()),
+    );
+    assert_eq!(daemon.group("dmax")["max_nodes"], 2);
+    load.stop();
+    ws.assert_plan_empty("max_nodes raised and the daemon scaled out");
+    daemon.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
+
+#[test]
+fn a_second_daemon_leaves_a_group_to_the_first_and_takes_over_when_it_dies() {
+    let backend = big_backend();
+    let mut ws = Workspace::new("daemon-two", 122);
+    ws.write(&config("dtwo", 3, backend));
+    ws.apply();
+    let dns = ws.outputs()["dns"]["value"].as_str().unwrap().to_string();
+    let ip = dig(&dns, "dtwo.lbscale.test").remove(0);
+    let a = Daemon::start(&ws, 19473, "a");
+    wait_for(
+        "daemon A to claim the group",
+        Duration::from_secs(10),
+        || (a.group("dtwo")["owner"] == "self").then_some(()),
+    );
+    let b = Daemon::start(&ws, 19474, "b");
+    wait_for(
+        "daemon B to see the group as A's",
+        Duration::from_secs(10),
+        || {
+            let owner = b.group("dtwo")["owner"].as_str().unwrap_or("").to_string();
+            owner.starts_with("daemon-").then_some(())
+        },
+    );
+
+    let load = Load::start(&ip, "dtwo.lbscale.test");
+    wait_for("scale-out to 2", Duration::from_secs(30), || {
+        (serving(&ws, "dtwo").len() >= 2).then_some(())
+    });
+    load.stop();
+    // A finished its workflow (a daemon killed in the middle of one keeps the
+    // group's lease until it expires: apply_timeout + 30 s).
+    wait_for(
+        "daemon A's scale-out to finish",
+        Duration::from_secs(10),
+        || {
+            (metric(
+                &a.metrics(),
+                r#"lbscale_workflow_seconds_count{step="scale_out"}"#,
+            ) == Some(1.0))
+            .then_some(())
+        },
+    );
+    // B never decided anything; A decided the one scale-out.
+    let mb = b.metrics();
+    assert!(
+        !mb.contains("lbscale_decisions_total{group=\"dtwo\""),
+        "daemon B acted:\n{mb}"
+    );
+    assert!(
+        !mb.contains("lbscale_sample{group=\"dtwo\""),
+        "daemon B sampled:\n{mb}"
+    );
+    let ma = a.metrics();
+    assert_eq!(
+        metric(
+            &ma,
+            r#"lbscale_decisions_total{group="dtwo",az="az1",action="scale_out"}"#
+        ),
+        Some(1.0),
+        "{ma}"
+    );
+    assert_eq!(
+        events(&ws, "dtwo")
+            .iter()
+            .filter(|e| e.kind == "scale_out")
+            .count(),
+        1
+    );
+
+    // A dies without letting go; B takes the group over once A's claim expires
+    // (5 stats intervals, at least 10 s) and scales the idle group back in.
+    a.crash();
+    wait_for(
+        "daemon B to take the group over",
+        Duration::from_secs(20),
+        || (b.group("dtwo")["owner"] == "self").then_some(()),
+    );
+    wait_for("scale-in by daemon B", Duration::from_secs(20), || {
+        (serving(&ws, "dtwo").len() == 1).then_some(())
+    });
+    // Serving drops at deregistration; the workflow ends when the node is gone.
+    let mb = wait_for(
+        "daemon B's scale-in to finish",
+        Duration::from_secs(15),
+        || {
+            let m = b.metrics();
+            (metric(&m, r#"lbscale_workflow_seconds_count{step="scale_in"}"#) == Some(1.0))
+                .then_some(m)
+        },
+    );
+    assert_eq!(
+        metric(
+            &mb,
+            r#"lbscale_decisions_total{group="dtwo",az="az1",action="scale_in"}"#
+        ),
+        Some(1.0),
+        "{mb}"
+    );
+    ws.assert_plan_empty("two daemons");
+    b.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
