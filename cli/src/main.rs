@@ -27,6 +27,12 @@ commands:
   status --state URL     every group with its nodes per AZ
   events --state URL [--group NAME] [--limit N]
                          recorded decisions and workflow steps
+  load --url http://HOST[:PORT]/PATH [--dns IP:PORT | --resolve HOST:PORT:IP]...
+       [--rate N] [--connections N] [--duration 60s] [--report 2s] [--csv FILE]
+                         drive HTTP traffic, printing req/s and Mbps as it goes
+  chart --samples FILE.csv --out FILE.svg [--events FILE.json] [--max-mbps X]
+        [--min-mbps Y] [--title TEXT]
+                         draw nodes and load over time as an SVG
 ";
 
 fn main() -> ExitCode {
@@ -56,6 +62,8 @@ fn run(args: &[String]) -> Result<(), CliError> {
         "daemon" => cmd::daemon::run(rest),
         "status" => cmd::status::run(rest),
         "events" => cmd::events::run(rest),
+        "load" => cmd::load::run(rest),
+        "chart" => cmd::chart::run(rest),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
