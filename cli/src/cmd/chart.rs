@@ -23,7 +23,14 @@ const LEFT: f64 = 70.0;
 const RIGHT: f64 = 30.0;
 const TOP1: f64 = 130.0;
 /// Event kinds marked on the chart (the others are in the timeline).
-const MARKED: &[&str] = &["scale_out", "node_active", "cooldown_end", "scale_in", "drain_end", "node_removed"];
+const MARKED: &[&str] = &[
+    "scale_out",
+    "node_active",
+    "cooldown_end",
+    "scale_in",
+    "drain_end",
+    "node_removed",
+];
 const BOT1: f64 = 380.0;
 const TOP2: f64 = 430.0;
 const BOT2: f64 = 560.0;
@@ -78,9 +85,12 @@ fn read_samples(path: &str) -> Result<(Samples, f64), CliError> {
             if i == ti {
                 continue;
             }
-            cols[k]
-                .1
-                .push(cells.get(i).and_then(|c| c.parse::<f64>().ok()).filter(|v| v.is_finite()));
+            cols[k].1.push(
+                cells
+                    .get(i)
+                    .and_then(|c| c.parse::<f64>().ok())
+                    .filter(|v| v.is_finite()),
+            );
             k += 1;
         }
     }
@@ -96,14 +106,11 @@ fn read_samples(path: &str) -> Result<(Samples, f64), CliError> {
 
 fn read_events(path: &str, t0_ms: f64) -> Result<Vec<(f64, String)>, CliError> {
     let v = crate::output::read_json(path)?;
-    let list = v
-        .get("events")
-        .and_then(|e| e.as_array())
-        .ok_or_else(|| {
-            CliError::Unreadable(format!(
-                "--events: {path} must be the JSON of /v1/events ({{\"events\": [...]}})"
-            ))
-        })?;
+    let list = v.get("events").and_then(|e| e.as_array()).ok_or_else(|| {
+        CliError::Unreadable(format!(
+            "--events: {path} must be the JSON of /v1/events ({{\"events\": [...]}})"
+        ))
+    })?;
     Ok(list
         .iter()
         .filter_map(|e| {
@@ -131,7 +138,9 @@ fn tick_step(span: f64, n: f64) -> f64 {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 pub fn run(args: &[String]) -> Result<(), CliError> {
@@ -144,7 +153,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             "--out" => out = Some(value),
             "--events" => events = Some(value),
             "--max-mbps" | "--min-mbps" => {
-                let v = value.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
+                let v = value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0);
                 let v = v.ok_or_else(|| {
                     CliError::Usage(format!("{flag}: must be a number from 0, got {value:?}"))
                 })?;
@@ -162,10 +174,12 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             }
         }
     }
-    let samples = samples
-        .ok_or_else(|| CliError::Usage("--samples: must be given (a CSV file), got nothing".into()))?;
-    let out =
-        out.ok_or_else(|| CliError::Usage("--out: must be given (an .svg file), got nothing".into()))?;
+    let samples = samples.ok_or_else(|| {
+        CliError::Usage("--samples: must be given (a CSV file), got nothing".into())
+    })?;
+    let out = out.ok_or_else(|| {
+        CliError::Usage("--out: must be given (an .svg file), got nothing".into())
+    })?;
     let (s, t0) = read_samples(&samples)?;
     let evs = match &events {
         Some(p) => read_events(p, t0)?,
@@ -216,26 +230,62 @@ fn render(
     let mut v = 0.0;
     while v <= mbps_top + 1e-9 {
         let y = y1(v);
-        let _ = writeln!(o, r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#e6e6e6"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##, W - RIGHT, LEFT - 6.0, y + 4.0, fmt_num(v));
+        let _ = writeln!(
+            o,
+            r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#e6e6e6"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+            W - RIGHT,
+            LEFT - 6.0,
+            y + 4.0,
+            fmt_num(v)
+        );
         v += ystep;
     }
     for n in 0..=(nodes_top as i64) {
         let y = y2(n as f64);
-        let _ = writeln!(o, r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#e6e6e6"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{n}</text>"##, W - RIGHT, LEFT - 6.0, y + 4.0);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#e6e6e6"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{n}</text>"##,
+            W - RIGHT,
+            LEFT - 6.0,
+            y + 4.0
+        );
     }
     let xstep = tick_step(t_end, 10.0);
     let mut t = 0.0;
     while t <= t_end + 1e-9 {
         let xx = x(t);
-        let _ = writeln!(o, r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{TOP1}" y2="{BOT1}" stroke="#f0f0f0"/><line x1="{xx:.1}" x2="{xx:.1}" y1="{TOP2}" y2="{BOT2}" stroke="#f0f0f0"/><text x="{xx:.1}" y="{}" text-anchor="middle" fill="#555">{}</text>"##, BOT2 + 18.0, fmt_num(t));
+        let _ = writeln!(
+            o,
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{TOP1}" y2="{BOT1}" stroke="#f0f0f0"/><line x1="{xx:.1}" x2="{xx:.1}" y1="{TOP2}" y2="{BOT2}" stroke="#f0f0f0"/><text x="{xx:.1}" y="{}" text-anchor="middle" fill="#555">{}</text>"##,
+            BOT2 + 18.0,
+            fmt_num(t)
+        );
         t += xstep;
     }
     for (top, bot) in [(TOP1, BOT1), (TOP2, BOT2)] {
-        let _ = writeln!(o, r##"<rect x="{LEFT}" y="{top}" width="{}" height="{}" fill="none" stroke="#888"/>"##, W - LEFT - RIGHT, bot - top);
+        let _ = writeln!(
+            o,
+            r##"<rect x="{LEFT}" y="{top}" width="{}" height="{}" fill="none" stroke="#888"/>"##,
+            W - LEFT - RIGHT,
+            bot - top
+        );
     }
-    let _ = writeln!(o, r##"<text x="{}" y="{}" text-anchor="middle" fill="#333">seconds since the first sample</text>"##, (LEFT + W - RIGHT) / 2.0, BOT2 + 40.0);
-    let _ = writeln!(o, r##"<text transform="translate(20 {}) rotate(-90)" text-anchor="middle" fill="#333">throughput (Mbps)</text>"##, (TOP1 + BOT1) / 2.0);
-    let _ = writeln!(o, r##"<text transform="translate(20 {}) rotate(-90)" text-anchor="middle" fill="#333">nodes</text>"##, (TOP2 + BOT2) / 2.0);
+    let _ = writeln!(
+        o,
+        r##"<text x="{}" y="{}" text-anchor="middle" fill="#333">seconds since the first sample</text>"##,
+        (LEFT + W - RIGHT) / 2.0,
+        BOT2 + 40.0
+    );
+    let _ = writeln!(
+        o,
+        r##"<text transform="translate(20 {}) rotate(-90)" text-anchor="middle" fill="#333">throughput (Mbps)</text>"##,
+        (TOP1 + BOT1) / 2.0
+    );
+    let _ = writeln!(
+        o,
+        r##"<text transform="translate(20 {}) rotate(-90)" text-anchor="middle" fill="#333">nodes</text>"##,
+        (TOP2 + BOT2) / 2.0
+    );
 
     // Thresholds.
     for (v, label, color) in [
@@ -244,7 +294,14 @@ fn render(
     ] {
         if let Some(v) = v {
             let y = y1(v);
-            let _ = writeln!(o, r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="{color}" stroke-dasharray="6 4" stroke-width="1.2"/><text x="{}" y="{:.1}" text-anchor="end" fill="{color}" font-size="11">{label} {} Mbps per node</text>"##, W - RIGHT, W - RIGHT - 4.0, y - 4.0, fmt_num(v));
+            let _ = writeln!(
+                o,
+                r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="{color}" stroke-dasharray="6 4" stroke-width="1.2"/><text x="{}" y="{:.1}" text-anchor="end" fill="{color}" font-size="11">{label} {} Mbps per node</text>"##,
+                W - RIGHT,
+                W - RIGHT - 4.0,
+                y - 4.0,
+                fmt_num(v)
+            );
         }
     }
 
@@ -274,14 +331,29 @@ fn render(
             "#777"
         };
         let top = TOP1 - 6.0 - 13.0 * kinds.len() as f64;
-        let _ = writeln!(o, r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{top:.1}" y2="{BOT2}" stroke="{color}" stroke-dasharray="2 3" stroke-width="1"/>"##);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{top:.1}" y2="{BOT2}" stroke="{color}" stroke-dasharray="2 3" stroke-width="1"/>"##
+        );
         for (i, k) in kinds.iter().enumerate() {
-            let _ = writeln!(o, r##"<text x="{:.1}" y="{:.1}" fill="{color}" font-size="11">{}</text>"##, xx + 3.0, top + 10.0 + 13.0 * i as f64, esc(k));
+            let _ = writeln!(
+                o,
+                r##"<text x="{:.1}" y="{:.1}" fill="{color}" font-size="11">{}</text>"##,
+                xx + 3.0,
+                top + 10.0 + 13.0 * i as f64,
+                esc(k)
+            );
         }
     }
 
     // Series.
-    let line = |o: &mut String, col: &str, y: &dyn Fn(f64) -> f64, color: &str, width: f64, dash: &str, step: bool| {
+    let line = |o: &mut String,
+                col: &str,
+                y: &dyn Fn(f64) -> f64,
+                color: &str,
+                width: f64,
+                dash: &str,
+                step: bool| {
         let Some(vals) = s.col(col) else { return };
         let mut d = String::new();
         let mut prev: Option<(f64, f64)> = None;
@@ -306,20 +378,43 @@ fn render(
             }
         }
         if !d.is_empty() {
-            let _ = writeln!(o, r##"<path d="{d}" fill="none" stroke="{color}" stroke-width="{width}" stroke-linejoin="round" {dash}/>"##);
+            let _ = writeln!(
+                o,
+                r##"<path d="{d}" fill="none" stroke="{color}" stroke-width="{width}" stroke-linejoin="round" {dash}/>"##
+            );
         }
     };
     line(&mut o, "load_mbps", &y1, "#1f77b4", 2.0, "", false);
     line(&mut o, "sample_mbps", &y1, "#ff7f0e", 1.6, "", false);
     line(&mut o, "serving", &y2, "#2ca02c", 2.5, "", true);
-    line(&mut o, "provisioned", &y2, "#9467bd", 1.5, r#"stroke-dasharray="5 3""#, true);
+    line(
+        &mut o,
+        "provisioned",
+        &y2,
+        "#9467bd",
+        1.5,
+        r#"stroke-dasharray="5 3""#,
+        true,
+    );
 
     // Legend.
     let items: Vec<(&str, &str, &str)> = [
-        ("load_mbps", "#1f77b4", "load generator: Mbps received (all nodes)"),
-        ("sample_mbps", "#ff7f0e", "daemon's sample: Mbps per serving node (mean)"),
+        (
+            "load_mbps",
+            "#1f77b4",
+            "load generator: Mbps received (all nodes)",
+        ),
+        (
+            "sample_mbps",
+            "#ff7f0e",
+            "daemon's sample: Mbps per serving node (mean)",
+        ),
         ("serving", "#2ca02c", "nodes serving (in DNS)"),
-        ("provisioned", "#9467bd", "nodes in the cloud (dashed; under the green line when equal)"),
+        (
+            "provisioned",
+            "#9467bd",
+            "nodes in the cloud (dashed; under the green line when equal)",
+        ),
     ]
     .into_iter()
     .filter(|(c, _, _)| s.col(c).is_some())
@@ -327,8 +422,18 @@ fn render(
     for (i, (col, color, label)) in items.iter().enumerate() {
         let lx = LEFT + (i % 2) as f64 * 420.0;
         let ly = H - 34.0 + (i / 2) as f64 * 16.0;
-        let dash = if *col == "provisioned" { r#" stroke-dasharray="5 3""# } else { "" };
-        let _ = writeln!(o, r##"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2.5"{dash}/><text x="{}" y="{}" fill="#333">{label}</text>"##, lx + 24.0, lx + 30.0, ly + 4.0);
+        let dash = if *col == "provisioned" {
+            r#" stroke-dasharray="5 3""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            o,
+            r##"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2.5"{dash}/><text x="{}" y="{}" fill="#333">{label}</text>"##,
+            lx + 24.0,
+            lx + 30.0,
+            ly + 4.0
+        );
     }
     o.push_str("</svg>\n");
     o
@@ -355,7 +460,13 @@ mod tests {
                 ("load_mbps".into(), vec![Some(0.0), Some(12.0), None]),
             ],
         };
-        let svg = render(&s, &[(1.0, "scale_out".into())], Some(8.0), Some(1.0), "t<1>");
+        let svg = render(
+            &s,
+            &[(1.0, "scale_out".into())],
+            Some(8.0),
+            Some(1.0),
+            "t<1>",
+        );
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
         assert!(svg.contains("scale_out") && svg.contains("t&lt;1&gt;"));
         assert!(svg.contains("scale out above 8 Mbps per node"));

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::cmd::daemon::flag_pairs;
 use crate::output::CliError;
 
-const FLAGS: &str = "--url, --dns, --resolve-every, --resolve, --rate, --connections, --duration, --report, --csv";
+const FLAGS: &str =
+    "--url, --dns, --resolve-every, --resolve, --rate, --connections, --duration, --report, --csv";
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -165,7 +166,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     }
     let first = if let Some(server) = dns {
         dns_a(server, &target.host).map_err(|e| {
-            CliError::Output(format!("--dns: {server} did not answer for {}: {e}", target.host))
+            CliError::Output(format!(
+                "--dns: {server} did not answer for {}: {e}",
+                target.host
+            ))
         })?
     } else if !pinned.is_empty() {
         pinned.clone()
@@ -280,7 +284,12 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
                 .iter()
                 .map(|(n, c)| (n, c - last_report.4.get(n).copied().unwrap_or(0)))
                 .filter(|(_, d)| *d > 0)
-                .map(|(n, d)| format!("{n} {:.0}%", d as f64 * 100.0 / (ok - last_report.1).max(1) as f64))
+                .map(|(n, d)| {
+                    format!(
+                        "{n} {:.0}%",
+                        d as f64 * 100.0 / (ok - last_report.1).max(1) as f64
+                    )
+                })
                 .collect();
             println!(
                 "load: {:>5.1}s  {:>6.1} req/s  {:>6.1} Mbps  errors {}  nodes: {}",
@@ -288,10 +297,19 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
                 (ok - last_report.1) as f64 / dt,
                 (bytes - last_report.2) as f64 * 8.0 / 1e6 / dt,
                 err - last_report.3,
-                if shares.is_empty() { "-".to_string() } else { shares.join(", ") }
+                if shares.is_empty() {
+                    "-".to_string()
+                } else {
+                    shares.join(", ")
+                }
             );
             if err > last_report.3 {
-                if let Some(e) = counters.last_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                if let Some(e) = counters
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                {
                     println!("load:         last error: {e}");
                 }
             }
@@ -311,7 +329,11 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         counters.errors.load(Ordering::Relaxed),
         counters.bytes.load(Ordering::Relaxed),
     );
-    let per_node = counters.per_node.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let per_node = counters
+        .per_node
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     println!(
         "load: done after {secs:.1}s: {ok} answers ({:.1} req/s, {:.1} Mbps), {err} errors; per node: {}",
         ok as f64 / secs,
@@ -331,7 +353,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
 }
 
 fn list(a: &[IpAddr]) -> String {
-    a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
+    a.iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn unix_ms() -> u128 {
@@ -370,7 +395,11 @@ fn worker(
                 continue;
             }
             // Far behind (slow answers): do not burst to catch up.
-            next = if now - next > Duration::from_secs(1) { now + p } else { next + p };
+            next = if now - next > Duration::from_secs(1) {
+                now + p
+            } else {
+                next + p
+            };
         }
         let current = addrs.read().unwrap_or_else(|e| e.into_inner()).clone();
         if current.is_empty() {
@@ -404,7 +433,10 @@ fn worker(
                         .or_default() += 1;
                 } else {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
-                    *counters.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
+                    *counters
+                        .last_error
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) =
                         Some(format!("{ip}: HTTP {}", resp.status));
                 }
                 counters.bytes.fetch_add(resp.bytes, Ordering::Relaxed);
@@ -414,8 +446,10 @@ fn worker(
             }
             Err(e) => {
                 counters.errors.fetch_add(1, Ordering::Relaxed);
-                *counters.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(format!("{ip}: {e}"));
+                *counters
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(format!("{ip}: {e}"));
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
@@ -599,11 +633,16 @@ fn parse_a(m: &[u8]) -> Option<Vec<IpAddr>> {
     for _ in 0..an {
         i = skip_name(i)?;
         let h = m.get(i..i + 10)?;
-        let (typ, len) = (u16::from_be_bytes([h[0], h[1]]), u16::from_be_bytes([h[8], h[9]]) as usize);
+        let (typ, len) = (
+            u16::from_be_bytes([h[0], h[1]]),
+            u16::from_be_bytes([h[8], h[9]]) as usize,
+        );
         i += 10;
         let data = m.get(i..i + len)?;
         if typ == 1 && len == 4 {
-            out.push(IpAddr::V4(Ipv4Addr::new(data[0], data[1], data[2], data[3])));
+            out.push(IpAddr::V4(Ipv4Addr::new(
+                data[0], data[1], data[2], data[3],
+            )));
         }
         i += len;
     }
@@ -618,7 +657,10 @@ mod tests {
     #[test]
     fn parses_urls() {
         let t = parse_url("http://app.lbscale.test:8080/blob").unwrap();
-        assert_eq!((t.host.as_str(), t.port, t.path.as_str()), ("app.lbscale.test", 8080, "/blob"));
+        assert_eq!(
+            (t.host.as_str(), t.port, t.path.as_str()),
+            ("app.lbscale.test", 8080, "/blob")
+        );
         let t = parse_url("http://x").unwrap();
         assert_eq!((t.port, t.path.as_str()), (80, "/"));
         assert!(parse_url("https://x/").is_err());
