@@ -9,7 +9,8 @@ use lbscale_core::policy::{
 };
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::nodeapi::NodeClient;
-use lbscale_engine::store::{now_ms, Row, Store, StoreError};
+use lbscale_engine::reconcile::{GroupView, KeptLease};
+use lbscale_engine::store::{now_ms, NodeRow, NodeState, Row, Store, StoreError};
 use lbscale_proto::NodeStats;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -50,6 +51,15 @@ pub struct GroupRuntime {
     azs: BTreeMap<String, AzRuntime>,
     clients: HashMap<String, CachedClient>,
     last_eval_ms: i64,
+    /// Whether this daemon has reconciled the group once since it took it
+    /// (finishing what a crashed holder left half-done).
+    resumed: bool,
+}
+
+impl Default for GroupRuntime {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl GroupRuntime {
@@ -58,6 +68,7 @@ impl GroupRuntime {
             azs: BTreeMap::new(),
             clients: HashMap::new(),
             last_eval_ms: 0,
+            resumed: false,
         }
     }
 
@@ -291,8 +302,10 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
 
     // 2. This daemon's claim on the group.
     let own_ttl = claim_ttl(interval);
-    match store.acquire_lease(&ownership_key(&id), &shared.holder, own_ttl) {
-        Ok(_) => {}
+    // Renewed for as long as this evaluation (and any workflow in it) runs, so
+    // that a daemon that dies loses the group one claim TTL later, not minutes.
+    let _claim = match store.acquire_lease(&ownership_key(&id), &shared.holder, own_ttl) {
+        Ok(l) => KeptLease::keep(store.clone(), l, own_ttl),
         Err(StoreError::LeaseHeld { holder, .. }) => {
             if !rt.azs.is_empty() {
                 tracing::info!(group = %name, owner = %holder, "another daemon evaluates this group; leaving it");
@@ -300,6 +313,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             // Start from a clean slate if this daemon takes the group over later.
             rt.azs.clear();
             rt.clients.clear();
+            rt.resumed = false;
             shared.update_status(&id, |s| {
                 s.owner = holder;
                 s.azs.clear();
@@ -307,7 +321,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             return;
         }
         Err(e) => return fail(&shared, &id, name, "claim the group", e.to_string()),
-    }
+    };
 
     // 3. Terraform (or anything else) working on the group: skip this tick.
     match store.acquire_lease(&id, &shared.holder, PROBE_TTL) {
@@ -323,6 +337,45 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             return;
         }
         Err(e) => return fail(&shared, &id, name, "probe the group's lease", e.to_string()),
+    }
+
+    // 3b. Resume: the first time this daemon evaluates the group, and whenever
+    //     the store shows work left half-done (a holder that crashed mid-workflow:
+    //     a node in a transient state, a member whose process is gone), the
+    //     engine's level-triggered reconcile finishes it before anything is
+    //     decided. It leaves a count within min..max as it is.
+    let leftover = if rt.resumed {
+        let view = match shared.engine.group_view(&id) {
+            Ok(Some(v)) => v,
+            Ok(None) => return,
+            Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
+        };
+        match store.nodes_of_group(&id) {
+            Ok(rows) => leftover_work(&view, &rows),
+            Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
+        }
+    } else {
+        Some("first evaluation by this daemon".to_string())
+    };
+    if let Some(why) = leftover {
+        tracing::info!(group = %name, why = %why, "resuming: reconciling the group before deciding");
+        shared.update_status(&id, |s| s.in_flight = Some("resume".into()));
+        let started = Instant::now();
+        let r = shared.engine.reconcile_group(&id).await;
+        shared.metrics.workflow("resume", started.elapsed());
+        shared.update_status(&id, |s| s.in_flight = None);
+        if let Err(e) = r {
+            return fail(
+                &shared,
+                &id,
+                name,
+                "resume the group's unfinished work",
+                e.to_string(),
+            );
+        }
+        rt.resumed = true;
+        // What the policy knew of the AZs predates the repair: start from the store.
+        rt.azs.clear();
     }
 
     // 4. Observe.
@@ -436,7 +489,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
                         format!("{decision_reason}; sample: {sample_text}; attempt {attempt}")
                             .trim_start_matches("; ")
                             .to_string();
-                    run_scale_out(&shared, &id, name, az, &reason, &cfg, azrt, spec).await;
+                    run_scale_out(&shared, &id, name, az, &reason, &cfg, azrt).await;
                     ran_workflow = true;
                 }
                 Action::RemoveFromDistributor => {
@@ -511,23 +564,16 @@ fn claim_ttl(interval: Duration) -> Duration {
     (interval * 5).max(Duration::from_secs(10))
 }
 
-/// Claims the group for as long as a workflow may take (the claim is renewed
-/// only between evaluations).
-fn extend_claim(shared: &Shared, id: &str, for_at_most: Duration) {
-    let _ = shared.engine.store.acquire_lease(
-        &ownership_key(id),
-        &shared.holder,
-        for_at_most + Duration::from_secs(30),
-    );
-}
-
-/// Back to the ordinary claim once the workflow is over.
-fn shorten_claim(shared: &Shared, id: &str, cfg: &PolicyConfig) {
-    let _ = shared.engine.store.acquire_lease(
-        &ownership_key(id),
-        &shared.holder,
-        claim_ttl(Duration::from_millis(cfg.stats_interval)),
-    );
+/// Work that a holder left half-done, as the store and the processes show it:
+/// a node in a transient or failed state, or an active node that is not
+/// registered with the distributor. `None` when the group is settled.
+fn leftover_work(view: &GroupView, rows: &[NodeRow]) -> Option<String> {
+    if let Some(n) = view.nodes.iter().find(|n| n.state != "active") {
+        return Some(format!("node {} is {}", n.id, n.state));
+    }
+    rows.iter()
+        .find(|r| r.state == NodeState::Active && !r.registered)
+        .map(|r| format!("node {} is active but not registered", r.id))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -539,14 +585,11 @@ async fn run_scale_out(
     reason: &str,
     cfg: &PolicyConfig,
     azrt: &mut AzRuntime,
-    spec: &GroupSpec,
 ) {
-    extend_claim(shared, id, spec.apply_timeout());
     shared.update_status(id, |s| s.in_flight = Some(format!("scale_out {az}")));
     let started = Instant::now();
     let r = shared.engine.scale_out(id, az, reason).await;
     let took = started.elapsed();
-    shorten_claim(shared, id, cfg);
     shared.metrics.workflow("scale_out", took);
     shared.update_status(id, |s| s.in_flight = None);
     let at = now_ms() as u64;
@@ -587,13 +630,10 @@ async fn run_scale_in(
     serving: u32,
     provisioned: u32,
 ) {
-    let bound = Duration::from_millis(cfg.drain_timeout + cfg.dns_ttl) + Duration::from_secs(60);
-    extend_claim(shared, id, bound);
     shared.update_status(id, |s| s.in_flight = Some(format!("scale_in {az}")));
     let started = Instant::now();
     let r = shared.engine.scale_in_one(id, az, reason).await;
     let took = started.elapsed();
-    shorten_claim(shared, id, cfg);
     shared.metrics.workflow("scale_in", took);
     shared.update_status(id, |s| s.in_flight = None);
     match r {

@@ -12,15 +12,22 @@
 //!    that changes min/max/thresholds takes effect at the next evaluation) and
 //!    validates it with the core's own functions;
 //! 2. claims the group for this daemon (an ownership lease `daemon/<group id>`,
-//!    renewed every evaluation): a second daemon on the same store leaves alone a
-//!    group that the first one evaluates;
+//!    renewed in the background for as long as the evaluation and its workflow
+//!    run): a second daemon on the same store leaves alone a group that the first
+//!    one evaluates, and takes it over one claim TTL after the first one died;
 //! 3. skips the group this tick when the group's own lease is held (Terraform is
-//!    applying it): the lease is how the daemon and the provider coexist;
+//!    applying it): the lease is how the daemon and the provider coexist.
+//!    Then it resumes: the first time it evaluates the group, and whenever the store
+//!    shows work left half-done (a node provisioning, joining, draining or
+//!    deprovisioning, a member whose process is gone, an active node not
+//!    registered), it runs the engine's level-triggered `reconcile_group`, which
+//!    finishes each step where a crashed holder stopped, before deciding anything;
 //! 4. samples every serving node through its management API and takes each AZ's
 //!    mean; feeds it to [`lbscale_core::policy::step`] with the AZ's state, which
 //!    this daemon keeps in memory;
 //! 5. runs the engine's scale-out / scale-in workflow when the step says so (the
-//!    workflow takes the group's lease itself) and reports its outcome back to the
+//!    workflow takes the group's lease itself: short, renewed while it runs,
+//!    checked before every side effect) and reports its outcome back to the
 //!    policy at once, so that the cooldown starts when the node has joined.
 
 pub mod group;

@@ -4,6 +4,7 @@
 //! - [`store`]: the store shared by the provider and the daemon;
 //! - [`cloud`]: the drivers (where nodes come from, how clients reach them);
 //! - [`nodeapi`]: the client of a node's management API;
+//! - [`fault`]: a test hook that aborts the process at a named workflow step;
 //! - [`reconcile`]: apply-time reconciliation of one group: level-triggered, it
 //!   reads what is declared and what is observed and closes the gap.
 //!
@@ -11,6 +12,7 @@
 //! `lbscale-core`, which has no I/O.
 
 pub mod cloud;
+pub mod fault;
 pub mod model;
 pub mod nodeapi;
 pub mod reconcile;

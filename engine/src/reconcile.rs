@@ -9,15 +9,17 @@
 
 use crate::cloud::local::{LocalCloud, LocalSettings};
 use crate::cloud::{Cloud, CloudError, Distributor, ProvisionRequest, Publication};
+use crate::fault::fault_point;
 use crate::model::{
     check_vserver_placement, DistributorSpec, Finding, Findings, GroupSpec, PathStep, SeGroupSpec,
     VserverSpec,
 };
 use crate::nodeapi::NodeClient;
-use crate::store::{now_ms, NodeRow, NodeState, Row, Store, StoreError};
+use crate::store::{now_ms, Lease, NodeRow, NodeState, Row, Store, StoreError};
 use lbscale_core::duration::parse_duration;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -109,9 +111,90 @@ pub struct Engine {
     holder: String,
 }
 
-/// How long a lease outlives the deadline of the run that holds it, so that a
-/// crashed holder's groups are free again soon.
-const LEASE_SLACK: Duration = Duration::from_secs(30);
+/// How long a workflow's lease lasts without renewal: a crashed holder's group
+/// is free again this long after it died. A running workflow renews it every
+/// third of this (see [`KeptLease`]), however long the workflow takes.
+pub const WORKFLOW_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// A lease kept alive by a background task (renewed every third of its TTL) while
+/// the work it covers runs. A renewal that finds the lease taken over marks it
+/// lost; [`KeptLease::check`], called before every side effect, then stops the
+/// work. Dropping it stops the renewals (the lease then expires on its own).
+pub struct KeptLease {
+    lease: Lease,
+    store: Arc<Store>,
+    lost: Arc<AtomicBool>,
+    renewer: tokio::task::JoinHandle<()>,
+}
+
+impl KeptLease {
+    /// Starts renewing `lease` (just acquired with `ttl`) every `ttl / 3`.
+    pub fn keep(store: Arc<Store>, lease: Lease, ttl: Duration) -> KeptLease {
+        let lost = Arc::new(AtomicBool::new(false));
+        let renewer = {
+            let (store, lease, lost) = (store.clone(), lease.clone(), lost.clone());
+            tokio::spawn(async move {
+                let every = (ttl / 3).max(Duration::from_millis(100));
+                loop {
+                    tokio::time::sleep(every).await;
+                    match store.renew_lease(&lease, ttl) {
+                        Ok(_) => {}
+                        Err(e @ StoreError::LeaseLost { .. }) => {
+                            tracing::warn!(group = %lease.group_id, error = %e, "lease lost; the work it covers stops before its next step");
+                            lost.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                        // A busy store: try again at the next period (the check
+                        // before each step sees an expiry).
+                        Err(e) => {
+                            tracing::warn!(group = %lease.group_id, error = %e, "could not renew the lease")
+                        }
+                    }
+                }
+            })
+        };
+        KeptLease {
+            lease,
+            store,
+            lost,
+            renewer,
+        }
+    }
+
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The fence check before a side effect: an error once another holder took
+    /// the lease over (or it expired).
+    pub fn check(&self) -> std::result::Result<(), StoreError> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(StoreError::LeaseLost {
+                group: self.lease.group_id.clone(),
+                detail: "a renewal found it taken over".into(),
+            });
+        }
+        self.store.check_lease(&self.lease)
+    }
+
+    /// Stops renewing; the lease stays as it is until it expires.
+    pub fn stop(self) -> Lease {
+        self.renewer.abort();
+        self.lease.clone()
+    }
+
+    /// Stops renewing and gives the lease up at once.
+    pub fn release(self) {
+        self.renewer.abort();
+        let _ = self.store.release_lease(&self.lease);
+    }
+}
+
+impl Drop for KeptLease {
+    fn drop(&mut self) {
+        self.renewer.abort();
+    }
+}
 
 fn new_id(prefix: &str) -> String {
     format!("{prefix}-{:08x}", rand::random::<u32>())
@@ -338,9 +421,9 @@ impl Engine {
         let lease = self.lease(id, deadline).await?;
         let nodes = self.store.nodes_of_group(id)?;
         let out = self
-            .scale_in(&group, nodes, deadline, "group destroyed")
+            .scale_in(&group, nodes, deadline, "group destroyed", &lease)
             .await;
-        let _ = self.store.release_lease(&lease);
+        lease.release();
         out?;
         self.store.delete_group(id)?;
         self.store.release_addresses(id)?;
@@ -392,11 +475,12 @@ impl Engine {
 
     /// Takes the group's lease, waiting for another holder (the daemon) to let go
     /// until `deadline`.
-    async fn lease(&self, group_id: &str, deadline: Instant) -> Result<crate::store::Lease> {
-        let ttl = deadline.saturating_duration_since(Instant::now()) + LEASE_SLACK;
+    /// The lease is short ([`WORKFLOW_LEASE_TTL`]) and renewed while the work runs.
+    async fn lease(&self, group_id: &str, deadline: Instant) -> Result<KeptLease> {
+        let ttl = WORKFLOW_LEASE_TTL;
         loop {
             match self.store.acquire_lease(group_id, &self.holder, ttl) {
-                Ok(l) => return Ok(l),
+                Ok(l) => return Ok(KeptLease::keep(self.store.clone(), l, ttl)),
                 Err(StoreError::LeaseHeld { holder, .. }) if Instant::now() < deadline => {
                     tracing::info!(group_id, holder, "waiting for the group's lease");
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -426,8 +510,8 @@ impl Engine {
         let started = Instant::now();
         let deadline = started + group.spec.apply_timeout();
         let lease = self.lease(id, deadline).await?;
-        let out = self.reconcile_locked(&group, deadline).await;
-        let _ = self.store.release_lease(&lease);
+        let out = self.reconcile_locked(&group, deadline, &lease).await;
+        lease.release();
         out.map_err(|e| match e {
             EngineError::Timeout { step, detail, .. } => EngineError::Timeout {
                 step,
@@ -438,7 +522,12 @@ impl Engine {
         })
     }
 
-    async fn reconcile_locked(&self, group: &Row<GroupSpec>, deadline: Instant) -> Result<()> {
+    async fn reconcile_locked(
+        &self,
+        group: &Row<GroupSpec>,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(&spec.cloud)?;
         let token = self
@@ -451,6 +540,7 @@ impl Engine {
         for mut n in self.store.nodes_of_group(id)? {
             let dead = !cloud.is_alive(&n);
             if n.state == NodeState::Failed || (n.state.is_member() && dead) {
+                lease.check()?;
                 registration_changed |= n.registered;
                 n.state = NodeState::Failed;
                 n.registered = false;
@@ -472,6 +562,7 @@ impl Engine {
             }
         }
         if registration_changed {
+            lease.check()?;
             self.publish(&spec.traffic_distributor_id).await?;
         }
         // (Registrations made in step 4 are published at its end.)
@@ -508,7 +599,7 @@ impl Engine {
                 })
                 .count() as i64;
             for _ in have..spec.min_nodes {
-                self.provision(group, az, &token).await?;
+                self.provision(group, az, &token, lease).await?;
             }
         }
 
@@ -520,9 +611,11 @@ impl Engine {
             if !n.state.is_member() || leaving.iter().any(|l| l.id == n.id) {
                 continue;
             }
-            self.join(cloud, id, n, &token, &config, deadline).await?;
+            self.join(cloud, id, n, &token, &config, deadline, lease)
+                .await?;
         }
         // Ports may have changed even when no node did (a vserver was added).
+        lease.check()?;
         self.publish(&spec.traffic_distributor_id).await?;
 
         // 5. Remove the nodes that leave: out of the distributor, TTL, drain, gone.
@@ -532,6 +625,7 @@ impl Engine {
                 leaving,
                 deadline,
                 "over max_nodes or in a removed availability zone",
+                lease,
             )
             .await?;
         }
@@ -567,6 +661,7 @@ impl Engine {
                     ),
                 });
             }
+            lease.check()?;
             self.store
                 .record_event(group_id, Some(az), "scale_out", reason)?;
             let before: Vec<String> = self
@@ -578,8 +673,8 @@ impl Engine {
             // Level-triggered: provisioning one more node and reconciling joins,
             // configures and registers it like any other.
             let token = self.store.group_token(group_id)?.unwrap_or_default();
-            self.provision(&group, az, &token).await?;
-            self.reconcile_locked(&group, deadline).await?;
+            self.provision(&group, az, &token, &lease).await?;
+            self.reconcile_locked(&group, deadline, &lease).await?;
             let added = self
                 .store
                 .nodes_of_group(group_id)?
@@ -591,7 +686,7 @@ impl Engine {
             })
         }
         .await;
-        let _ = self.store.release_lease(&lease);
+        lease.release();
         out
     }
 
@@ -630,18 +725,19 @@ impl Engine {
                 .cloned()
                 .expect("more than min_nodes members");
             let id = leaving.id.clone();
-            self.scale_in(&group, vec![leaving], deadline, reason)
+            self.scale_in(&group, vec![leaving], deadline, reason, &lease)
                 .await?;
             Ok(id)
         }
         .await;
-        let _ = self.store.release_lease(&lease);
+        lease.release();
         out
     }
 
     /// Joins a node to its cluster: pushes the group's configuration if the node
     /// does not run it yet (then it is active), and marks it registered with the
     /// distributor (the caller publishes).
+    #[allow(clippy::too_many_arguments)]
     async fn join(
         &self,
         cloud: &dyn Cloud,
@@ -650,6 +746,7 @@ impl Engine {
         token: &str,
         config: &lbscale_proto::NodeConfig,
         deadline: Instant,
+        lease: &KeptLease,
     ) -> Result<()> {
         let version = config.version;
         let applied = n
@@ -658,8 +755,11 @@ impl Engine {
             .and_then(|v| v.as_u64())
             .unwrap_or(0);
         if applied != version || n.state != NodeState::Active {
+            lease.check()?;
             self.configure(cloud, &n, token, config.clone(), deadline)
                 .await?;
+            fault_point("after_configure");
+            lease.check()?;
             n.handle["config_version"] = version.into();
             if n.state != NodeState::Active {
                 n.state = NodeState::Active;
@@ -676,6 +776,7 @@ impl Engine {
             self.store.update_node(&n)?;
         }
         if !n.registered {
+            lease.check()?;
             n.registered = true;
             self.store.update_node(&n)?;
             self.store.record_event(
@@ -687,6 +788,7 @@ impl Engine {
                     n.id, n.private_ip
                 ),
             )?;
+            fault_point("after_register");
         }
         Ok(())
     }
@@ -726,7 +828,7 @@ impl Engine {
                     .into_iter()
                     .map(|x| x.id)
                     .collect();
-                self.provision(&group, &n.az, &token).await?;
+                self.provision(&group, &n.az, &token, &lease).await?;
                 let fresh = self
                     .store
                     .nodes_of_group(group_id)?
@@ -736,20 +838,33 @@ impl Engine {
                         step: "rolling restart",
                         detail: "the new node disappeared".into(),
                     })?;
-                self.join(cloud, group_id, fresh, &token, &config, deadline)
+                self.join(cloud, group_id, fresh, &token, &config, deadline, &lease)
                     .await?;
+                lease.check()?;
                 self.publish(&group.spec.traffic_distributor_id).await?;
-                self.scale_in(&group, vec![n], deadline, "replaced by the rolling restart")
-                    .await?;
+                self.scale_in(
+                    &group,
+                    vec![n],
+                    deadline,
+                    "replaced by the rolling restart",
+                    &lease,
+                )
+                .await?;
             }
             Ok(())
         }
         .await;
-        let _ = self.store.release_lease(&lease);
+        lease.release();
         out
     }
 
-    async fn provision(&self, group: &Row<GroupSpec>, az: &str, token: &str) -> Result<()> {
+    async fn provision(
+        &self,
+        group: &Row<GroupSpec>,
+        az: &str,
+        token: &str,
+        lease: &KeptLease,
+    ) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(&spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
@@ -767,6 +882,7 @@ impl Engine {
             handle: serde_json::json!({}),
             created_at: now_ms(),
         };
+        lease.check()?;
         self.store.insert_node(&row)?;
         self.store.record_event(
             id,
@@ -774,6 +890,8 @@ impl Engine {
             "node_provisioning",
             &format!("node {node_id}: below min_nodes ({})", spec.min_nodes),
         )?;
+        fault_point("after_node_row");
+        lease.check()?;
         let req = ProvisionRequest {
             node_id: node_id.clone(),
             group_id: id.clone(),
@@ -793,9 +911,16 @@ impl Engine {
                 });
             }
         };
+        fault_point("after_provision");
         row.private_ip = p.private_ip;
         row.public_ip = p.public_ip;
         row.handle = p.handle;
+        if let Err(e) = lease.check() {
+            // Another holder owns the group now and may already have given up
+            // on this row: stop the process that only this run knows of.
+            let _ = cloud.deprovision(&row).await;
+            return Err(e.into());
+        }
         row.state = NodeState::Joining;
         self.store.update_node(&row)?;
         self.store.record_event(
@@ -851,8 +976,10 @@ impl Engine {
         nodes: Vec<NodeRow>,
         deadline: Instant,
         reason: &str,
+        lease: &KeptLease,
     ) -> Result<()> {
         if nodes.is_empty() {
+            lease.check()?;
             self.publish(&group.spec.traffic_distributor_id).await?;
             return Ok(());
         }
@@ -861,6 +988,7 @@ impl Engine {
         let token = self.store.group_token(id)?.unwrap_or_default();
         let mut nodes = nodes;
         for n in nodes.iter_mut() {
+            lease.check()?;
             if n.state.is_member() {
                 self.store.record_event(
                     id,
@@ -875,6 +1003,8 @@ impl Engine {
             }
             self.store.update_node(n)?;
         }
+        fault_point("after_deregister");
+        lease.check()?;
         self.publish(&spec.traffic_distributor_id).await?;
 
         let ttl = self.ttl_of(spec)?;
@@ -898,6 +1028,7 @@ impl Engine {
 
         let drain_until = (Instant::now() + spec.drain_timeout()).min(deadline);
         for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
+            lease.check()?;
             let port = cloud.api_port(n);
             if cloud.is_alive(n) {
                 if let Ok(mut c) = NodeClient::connect(&n.private_ip, port, &token).await {
@@ -925,6 +1056,7 @@ impl Engine {
                     }
                 }
             }
+            lease.check()?;
             self.store.record_event(
                 id,
                 Some(&n.az),
@@ -933,9 +1065,11 @@ impl Engine {
             )?;
             n.state = NodeState::Deprovisioning;
             self.store.update_node(n)?;
+            fault_point("after_drain");
         }
 
         for n in &nodes {
+            lease.check()?;
             self.store.record_event(
                 id,
                 Some(&n.az),
@@ -943,6 +1077,8 @@ impl Engine {
                 &format!("node {}", n.id),
             )?;
             cloud.deprovision(n).await?;
+            fault_point("after_deprovision_before_delete");
+            lease.check()?;
             self.store.delete_node(&n.id)?;
             self.store.record_event(
                 id,

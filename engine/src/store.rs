@@ -94,6 +94,10 @@ pub enum StoreError {
         holder: String,
         expires_in_ms: i64,
     },
+    /// A lease this process held was taken over or expired: stop before the next
+    /// side effect (the new holder owns the group now).
+    #[error("lost the lease on group {group}: {detail}")]
+    LeaseLost { group: String, detail: String },
 }
 
 impl From<rusqlite::Error> for StoreError {
@@ -866,6 +870,60 @@ impl Store {
         Ok(())
     }
 
+    /// Extends a lease that is still ours (same holder and fence) to `ttl` from
+    /// now; [`StoreError::LeaseLost`] when another holder took it over (or it
+    /// was released). A lease that expired but that nobody took is still ours.
+    pub fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
+        let expires = now_ms() + ttl.as_millis() as i64;
+        let n = self.with(|c| {
+            c.execute(
+                "UPDATE leases SET expires_ms = ?4 WHERE group_id = ?1 AND holder = ?2 AND fence = ?3 AND expires_ms > 0",
+                params![lease.group_id, lease.holder, lease.fence, expires],
+            )
+        })?;
+        if n == 0 {
+            return Err(StoreError::LeaseLost {
+                group: lease.group_id.clone(),
+                detail: format!(
+                    "{} no longer holds it (fence {})",
+                    lease.holder, lease.fence
+                ),
+            });
+        }
+        Ok(Lease {
+            expires_ms: expires,
+            ..lease.clone()
+        })
+    }
+
+    /// The fence check before a side effect: Ok only while `lease` is the
+    /// group's current, unexpired lease.
+    pub fn check_lease(&self, lease: &Lease) -> Result<()> {
+        let cur: Option<(String, i64, i64)> = self.with(|c| {
+            c.query_row(
+                "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
+                params![lease.group_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()
+        })?;
+        let lost = |detail: String| {
+            Err(StoreError::LeaseLost {
+                group: lease.group_id.clone(),
+                detail,
+            })
+        };
+        match cur {
+            None => lost("the lease is gone".into()),
+            Some((h, f, _)) if h != lease.holder || f != lease.fence => lost(format!(
+                "{h} holds it now (fence {f}, ours was {})",
+                lease.fence
+            )),
+            Some((_, _, exp)) if exp <= now_ms() => lost("it expired".into()),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Rows in one of the store's tables (tests use it to prove a clean destroy).
     pub fn count_rows(&self, table: &str) -> Result<i64> {
         const TABLES: &[&str] = &[
@@ -993,6 +1051,37 @@ mod tests {
         s.release_lease(&a).unwrap();
         let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
         assert!(b.fence > a.fence);
+    }
+
+    #[test]
+    fn a_renewed_lease_is_checked_and_a_taken_over_one_is_lost() {
+        let s = Store::open(&tmp()).unwrap();
+        let a = s
+            .acquire_lease("g1", "a", Duration::from_millis(50))
+            .unwrap();
+        s.check_lease(&a).unwrap();
+        let a = s.renew_lease(&a, Duration::from_secs(30)).unwrap();
+        s.check_lease(&a).unwrap();
+        // Expired and taken over by b: a's renewal and check both fail.
+        let short = s.renew_lease(&a, Duration::from_millis(1)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(matches!(
+            s.check_lease(&short),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
+        assert!(matches!(
+            s.renew_lease(&a, Duration::from_secs(30)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        assert!(matches!(
+            s.check_lease(&a),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        s.check_lease(&b).unwrap();
+        // Released: renewing it does not bring it back.
+        s.release_lease(&b).unwrap();
+        assert!(s.renew_lease(&b, Duration::from_secs(30)).is_err());
     }
 
     #[test]

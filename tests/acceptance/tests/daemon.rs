@@ -594,8 +594,8 @@ fn a_second_daemon_leaves_a_group_to_the_first_and_takes_over_when_it_dies() {
         (serving(&ws, "dtwo").len() >= 2).then_some(())
     });
     load.stop();
-    // A finished its workflow (a daemon killed in the middle of one keeps the
-    // group's lease until it expires: apply_timeout + 30 s).
+    // A finishes its workflow first, so that this test is about the claim
+    // (a daemon killed in the middle of a workflow is daemon_faults.rs's case).
     wait_for(
         "daemon A's scale-out to finish",
         Duration::from_secs(10),

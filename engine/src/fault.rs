@@ -1,0 +1,51 @@
+//! Crash injection for the fault-injection tests (a test hook, not a feature).
+//!
+//! `LBSCALE_FAULT=<point>` in the environment of a process that runs the engine
+//! (the daemon, in the tests) makes that process abort — no cleanup, no unwinding,
+//! like SIGKILL — when a workflow reaches the named point. The points sit between
+//! two durable steps of scale-out / scale-in, so that the tests can prove that
+//! the next run resumes at the right step:
+//!
+//! | point | where |
+//! |---|---|
+//! | `after_node_row` | node row inserted, process not started |
+//! | `after_provision` | process up, row not yet `joining` |
+//! | `after_configure` | configuration pushed, row not yet `active` |
+//! | `after_register` | registered in the store, not yet published |
+//! | `after_deregister` | deregistered in the store, not yet published |
+//! | `after_drain` | drained (row `deprovisioning`), process still up |
+//! | `after_deprovision_before_delete` | process gone, row not yet deleted |
+//!
+//! Unset, empty, or naming no point: every [`fault_point`] is a no-op. Nothing
+//! but an explicit, exact variable value reaches the abort.
+
+use std::sync::OnceLock;
+
+/// The environment variable that names the point at which to abort.
+pub const FAULT_ENV: &str = "LBSCALE_FAULT";
+
+/// Every point a workflow passes (the values [`FAULT_ENV`] accepts).
+pub const FAULT_POINTS: [&str; 7] = [
+    "after_node_row",
+    "after_provision",
+    "after_configure",
+    "after_register",
+    "after_deregister",
+    "after_drain",
+    "after_deprovision_before_delete",
+];
+
+/// Aborts the process when [`FAULT_ENV`] names `point` exactly; a no-op otherwise.
+pub fn fault_point(point: &'static str) {
+    static ARMED: OnceLock<Option<String>> = OnceLock::new();
+    debug_assert!(FAULT_POINTS.contains(&point), "unknown fault point {point}");
+    let armed = ARMED.get_or_init(|| {
+        std::env::var(FAULT_ENV)
+            .ok()
+            .filter(|v| FAULT_POINTS.contains(&v.as_str()))
+    });
+    if armed.as_deref() == Some(point) {
+        eprintln!("{FAULT_ENV}={point}: aborting here (test hook)");
+        std::process::abort();
+    }
+}

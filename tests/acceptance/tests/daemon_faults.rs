@@ -1,0 +1,563 @@
+//! Crash-safe workflows (spec §4): a daemon killed at any step of scale-out or
+//! scale-in — `LBSCALE_FAULT=<point>` makes it abort there, like SIGKILL — is
+//! followed by a daemon that resumes at the right step. After the resume, within
+//! a bounded time:
+//!
+//! - every `lbscale-node` process of the workspace is a node in the store, and
+//!   every node in the store has its process (no orphan, nothing forgotten);
+//! - every address the DNS distributor answers (real `dig`) is a registered node
+//!   whose process runs, and every registered node is answered;
+//! - no node is left in a transient state; the count is within min..max;
+//! - `terraform plan` is empty; destroy leaves nothing.
+//!
+//! Throughout the resume, the DNS distributor never answers an address whose
+//! node process is gone.
+
+use lbscale_acceptance::*;
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+const SIGKILL: i32 = 9;
+const SIGTERM: i32 = 15;
+const SIGABRT: i32 = 6;
+
+/// Scale out above 8 Mbps per node (the load generator), scale in below 1 Mbps
+/// (idle). One AZ, min 1, max 2.
+fn config(name: &str, backend: u16) -> String {
+    format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name   = "{name}-dns"
+  cloud  = "local"
+  mode   = "dns"
+  domain = "{name}.lbscale.test"
+  ttl    = "1s"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "{name}"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = 2
+  stats_interval         = "1s"
+  watch_time             = "2s"
+  cooldown               = "2s"
+  drain_timeout          = "2s"
+  threshold {{
+    metric = "throughput"
+    min    = 1
+    max    = 8
+  }}
+}}
+
+resource "lbscale_se_group" "s" {{
+  name               = "{name}-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}}
+
+resource "lbscale_vserver" "web" {{
+  name         = "{name}-web"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  service {{
+    name    = "big"
+    address = "127.0.0.1"
+    port    = {backend}
+  }}
+}}
+
+output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
+"#
+    )
+}
+
+/// A backend that answers every request with a 64 KiB body.
+fn big_backend() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_big(stream));
+        }
+    });
+    port
+}
+
+fn serve_big(mut s: TcpStream) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let body = vec![b'x'; 64 * 1024];
+    let mut reader = BufReader::new(s.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == "\r\n" || h == "\n" {
+                break;
+            }
+        }
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: keep-alive\r\n\r\n",
+            body.len()
+        );
+        if s.write_all(head.as_bytes()).is_err() || s.write_all(&body).is_err() {
+            return;
+        }
+    }
+}
+
+/// HTTP GETs through `ip:8080` (tens of Mbps) until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(ip: &str, host: &str) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..2)
+            .map(|_| {
+                let stop = stop.clone();
+                let (ip, host) = (ip.to_string(), host.to_string());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let _ = http_get(&ip, 8080, &host);
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        Load { stop, threads }
+    }
+    fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Every daemon of this file listens on a port of its own.
+static NEXT_PORT: AtomicU16 = AtomicU16::new(19480);
+
+/// A running `lbscale daemon`; killed when dropped.
+struct Daemon {
+    child: Option<Child>,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts a daemon; `fault` arms `LBSCALE_FAULT`.
+    fn start(ws: &Workspace, tag: &str, fault: Option<&str>) -> Daemon {
+        let port = NEXT_PORT.fetch_add(1, Ordering::SeqCst);
+        let log = ws.dir.join(format!("daemon-{tag}.log"));
+        let mut cmd = Command::new(bin_dir().join("lbscale"));
+        cmd.args([
+            "daemon",
+            "--state",
+            "sqlite://.lbscale/state.db",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--address-prefix",
+            &ws.prefix,
+            "--node-binary",
+            bin_dir().join("lbscale-node").to_str().unwrap(),
+            "--log-format",
+            "json",
+        ])
+        .current_dir(&ws.dir)
+        .env("LBSCALE_LOG", "info")
+        .env_remove("LBSCALE_FAULT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(f) = fault {
+            cmd.env("LBSCALE_FAULT", f);
+        }
+        let child = cmd.spawn().expect("start lbscale daemon");
+        let d = Daemon {
+            child: Some(child),
+            port,
+            log,
+        };
+        wait_for("the daemon's /healthz", Duration::from_secs(10), || {
+            matches!(get(d.port, "/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
+        });
+        d
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn workflows(&self, step: &str) -> f64 {
+        let m = get(self.port, "/metrics").map(|r| r.1).unwrap_or_default();
+        let series = format!("lbscale_workflow_seconds_count{{step=\"{step}\"}}");
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix(series.as_str())
+                    .and_then(|r| r.trim().parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+
+    /// Waits (bounded) for the armed daemon to abort at `point`.
+    fn wait_aborted(mut self, point: &str, within: Duration) {
+        let mut child = self.child.take().unwrap();
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                unsafe { kill(child.id() as i32, SIGKILL) };
+                let _ = child.wait();
+                panic!(
+                    "the daemon armed with LBSCALE_FAULT={point} did not abort within {within:?}:\n{}",
+                    self.logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(
+            status.signal(),
+            Some(SIGABRT),
+            "the daemon must die by abort at {point}, got {status}:\n{}",
+            self.logs()
+        );
+        assert!(
+            self.logs()
+                .contains(&format!("LBSCALE_FAULT={point}: aborting")),
+            "{}",
+            self.logs()
+        );
+    }
+
+    /// SIGTERM; the daemon must exit 0 within 15 s.
+    fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        unsafe { kill(child.id() as i32, SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "daemon exited with {status}:\n{}",
+                    self.logs()
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon did not exit within 15 s of SIGTERM:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { kill(c.id() as i32, SIGKILL) };
+            let _ = c.wait();
+            if std::thread::panicking() {
+                eprintln!("--- daemon log {} ---\n{}", self.log.display(), self.logs());
+            }
+        }
+    }
+}
+
+fn get(port: u16, path: &str) -> Result<(u16, String), String> {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or("no response")?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or("bad status line")?;
+    Ok((code, body.to_string()))
+}
+
+/// Node processes of the workspace: (node id, listen ip).
+fn node_processes(ws: &Workspace) -> Vec<(String, String)> {
+    ws.processes()
+        .into_iter()
+        .filter_map(|(_, cmd)| {
+            let args: Vec<&str> = cmd.split_whitespace().collect();
+            let after = |flag: &str| {
+                args.iter()
+                    .position(|a| *a == flag)
+                    .and_then(|i| args.get(i + 1))
+                    .map(|s| s.to_string())
+            };
+            Some((after("--node-id")?, after("--listen-ip")?))
+        })
+        .collect()
+}
+
+fn rows(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::NodeRow> {
+    let store = ws.store();
+    let g = store
+        .group_by_name(group)
+        .unwrap()
+        .expect("group in the store");
+    store.nodes_of_group(&g.id).unwrap()
+}
+
+fn events(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::Event> {
+    let store = ws.store();
+    let g = store
+        .group_by_name(group)
+        .unwrap()
+        .expect("group in the store");
+    store.events_of_group(&g.id, 10_000).unwrap()
+}
+
+/// The safety half, which must hold at every instant: DNS answers only
+/// addresses whose node process runs.
+fn assert_dns_safe(ws: &Workspace, dns: &str, domain: &str, when: &str) -> Vec<String> {
+    let answered = dig(dns, domain);
+    let procs = node_processes(ws);
+    for ip in &answered {
+        assert!(
+            procs.iter().any(|(_, p)| p == ip),
+            "{when}: DNS answers {ip}, whose node process is gone (processes: {procs:?})"
+        );
+    }
+    answered
+}
+
+/// Waits (bounded) until the group is settled and every invariant holds; the
+/// safety half is asserted at every poll. Returns the nodes (id, ip).
+fn wait_settled(
+    ws: &Workspace,
+    dns: &str,
+    group: &str,
+    when: &str,
+    within: Duration,
+) -> Vec<(String, String)> {
+    let domain = format!("{group}.lbscale.test");
+    let deadline = Instant::now() + within;
+    loop {
+        let answered = assert_dns_safe(ws, dns, &domain, when);
+        let rs = rows(ws, group);
+        let procs: BTreeSet<(String, String)> = node_processes(ws).into_iter().collect();
+        let stored: BTreeSet<(String, String)> = rs
+            .iter()
+            .map(|r| (r.id.clone(), r.private_ip.clone()))
+            .collect();
+        let registered: BTreeSet<String> = rs
+            .iter()
+            .filter(|r| r.registered)
+            .map(|r| r.private_ip.clone())
+            .collect();
+        let all_active = rs
+            .iter()
+            .all(|r| r.state.as_str() == "active" && r.registered);
+        let dns_set: BTreeSet<String> = answered.iter().cloned().collect();
+        if all_active && procs == stored && dns_set == registered && (1..=2).contains(&rs.len()) {
+            return stored.into_iter().collect();
+        }
+        let last = format!(
+            "rows {:?}; processes {procs:?}; DNS {answered:?}",
+            rs.iter()
+                .map(|r| format!(
+                    "{} {} {} reg={}",
+                    r.id,
+                    r.private_ip,
+                    r.state.as_str(),
+                    r.registered
+                ))
+                .collect::<Vec<_>>()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "{when}: not settled within {within:?}: {last}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn apply_group(ws: &mut Workspace, name: &str, backend: u16) -> (String, String) {
+    ws.write(&config(name, backend));
+    ws.apply();
+    let dns = ws.outputs()["dns"]["value"].as_str().unwrap().to_string();
+    let first = dig(&dns, &format!("{name}.lbscale.test"));
+    assert_eq!(first.len(), 1, "one node after apply: {first:?}");
+    (dns, first[0].clone())
+}
+
+const BOUND: Duration = Duration::from_secs(40);
+
+#[test]
+fn a_daemon_killed_during_scale_out_is_resumed_by_the_next() {
+    let t0 = Instant::now();
+    let backend = big_backend();
+    let mut ws = Workspace::new("faults-out", 123);
+    let (dns, first_ip) = apply_group(&mut ws, "fout", backend);
+    let domain = "fout.lbscale.test";
+    for point in [
+        "after_node_row",
+        "after_provision",
+        "after_configure",
+        "after_register",
+    ] {
+        let before: BTreeSet<String> = rows(&ws, "fout").into_iter().map(|r| r.id).collect();
+        assert_eq!(before.len(), 1, "{point}: one node before the scale-out");
+        let armed = Daemon::start(&ws, &format!("{point}-armed"), Some(point));
+        let load = Load::start(&first_ip, domain);
+        armed.wait_aborted(point, BOUND);
+        load.stop();
+        let new: Vec<_> = rows(&ws, "fout")
+            .into_iter()
+            .filter(|r| !before.contains(&r.id))
+            .collect();
+        assert_eq!(
+            new.len(),
+            1,
+            "{point}: the crashed scale-out left its node row"
+        );
+        let new_id = new[0].id.clone();
+
+        let resumed = Daemon::start(&ws, &format!("{point}-resume"), None);
+        let nodes = wait_settled(&ws, &dns, "fout", &format!("resume after {point}"), BOUND);
+        assert!(
+            nodes.iter().any(|(_, ip)| *ip == first_ip),
+            "{point}: the first node must stay: {nodes:?}"
+        );
+        let ev = events(&ws, "fout");
+        match point {
+            // Nothing ran yet, or a process whose pid was never recorded: removed.
+            "after_node_row" | "after_provision" => assert!(
+                ev.iter()
+                    .any(|e| e.kind == "node_removed" && e.reason.contains(&new_id)),
+                "{point}: the half-provisioned node {new_id} is removed"
+            ),
+            // Finished: it became active and registered (before any scale-in).
+            _ => assert!(
+                ev.iter()
+                    .any(|e| e.kind == "node_registered" && e.reason.contains(&new_id)),
+                "{point}: the new node {new_id} is registered"
+            ),
+        }
+        // Back to one node (the resumed daemon scales the idle group in) before
+        // the next point, and still settled after that. The plan is checked only
+        // then: while the idle group is being scaled in, a refresh sees a node
+        // draining, and the plan rightly proposes to act.
+        wait_for(
+            &format!("{point}: the idle group back to one node"),
+            BOUND,
+            || {
+                assert_dns_safe(&ws, &dns, domain, point);
+                (rows(&ws, "fout").len() == 1).then_some(())
+            },
+        );
+        wait_settled(&ws, &dns, "fout", &format!("scale-in after {point}"), BOUND);
+        ws.assert_plan_empty(&format!("the resume after {point}"));
+        resumed.stop();
+    }
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+    eprintln!(
+        "MEASURE scale-out fault points: {} s",
+        t0.elapsed().as_secs()
+    );
+}
+
+#[test]
+fn a_daemon_killed_during_scale_in_is_resumed_by_the_next() {
+    let t0 = Instant::now();
+    let backend = big_backend();
+    let mut ws = Workspace::new("faults-in", 124);
+    let (dns, first_ip) = apply_group(&mut ws, "fin", backend);
+    let domain = "fin.lbscale.test";
+    let mut current = Daemon::start(&ws, "first", None);
+    for point in [
+        "after_deregister",
+        "after_drain",
+        "after_deprovision_before_delete",
+    ] {
+        // Two nodes first, without a fault.
+        let load = Load::start(&first_ip, domain);
+        wait_for(&format!("{point}: scale-out to 2"), BOUND, || {
+            (current.workflows("scale_out") >= 1.0).then_some(())
+        });
+        load.stop();
+        current.stop();
+        let nodes = wait_settled(
+            &ws,
+            &dns,
+            "fin",
+            &format!("scale-out before {point}"),
+            BOUND,
+        );
+        assert_eq!(nodes.len(), 2, "{point}: two nodes before the scale-in");
+        let leaving = nodes
+            .iter()
+            .find(|(_, ip)| *ip != first_ip)
+            .expect("the new node")
+            .0
+            .clone();
+
+        let armed = Daemon::start(&ws, &format!("{point}-armed"), Some(point));
+        armed.wait_aborted(point, BOUND);
+        let resumed = Daemon::start(&ws, &format!("{point}-resume"), None);
+        let nodes = wait_settled(&ws, &dns, "fin", &format!("resume after {point}"), BOUND);
+        assert_eq!(
+            nodes.iter().map(|(_, ip)| ip.clone()).collect::<Vec<_>>(),
+            vec![first_ip.clone()],
+            "{point}: the scale-in finished with the first node left"
+        );
+        let removed = events(&ws, "fin")
+            .into_iter()
+            .filter(|e| e.kind == "node_removed" && e.reason.contains(&leaving))
+            .count();
+        assert_eq!(removed, 1, "{point}: node {leaving} removed exactly once");
+        ws.assert_plan_empty(&format!("the resume after {point}"));
+        current = resumed;
+    }
+    current.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+    eprintln!(
+        "MEASURE scale-in fault points: {} s",
+        t0.elapsed().as_secs()
+    );
+}
