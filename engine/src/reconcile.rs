@@ -599,7 +599,14 @@ impl Engine {
                 })
                 .count() as i64;
             for _ in have..spec.min_nodes {
-                self.provision(group, az, &token, lease).await?;
+                self.provision(
+                    group,
+                    az,
+                    &token,
+                    lease,
+                    &format!("below min_nodes ({})", group.spec.min_nodes),
+                )
+                .await?;
             }
         }
 
@@ -673,7 +680,8 @@ impl Engine {
             // Level-triggered: provisioning one more node and reconciling joins,
             // configures and registers it like any other.
             let token = self.store.group_token(group_id)?.unwrap_or_default();
-            self.provision(&group, az, &token, &lease).await?;
+            self.provision(&group, az, &token, &lease, "scale-out")
+                .await?;
             self.reconcile_locked(&group, deadline, &lease).await?;
             let added = self
                 .store
@@ -828,7 +836,14 @@ impl Engine {
                     .into_iter()
                     .map(|x| x.id)
                     .collect();
-                self.provision(&group, &n.az, &token, &lease).await?;
+                self.provision(
+                    &group,
+                    &n.az,
+                    &token,
+                    &lease,
+                    &format!("replaces {} (rolling restart)", n.id),
+                )
+                .await?;
                 let fresh = self
                     .store
                     .nodes_of_group(group_id)?
@@ -864,6 +879,7 @@ impl Engine {
         az: &str,
         token: &str,
         lease: &KeptLease,
+        why: &str,
     ) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(&spec.cloud)?;
@@ -888,7 +904,7 @@ impl Engine {
             id,
             Some(az),
             "node_provisioning",
-            &format!("node {node_id}: below min_nodes ({})", spec.min_nodes),
+            &format!("node {node_id}: {why}"),
         )?;
         fault_point("after_node_row");
         lease.check()?;
