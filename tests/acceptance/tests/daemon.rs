@@ -8,12 +8,8 @@
 
 use lbscale_acceptance::*;
 use serde_json::Value;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 extern "C" {
@@ -75,92 +71,6 @@ output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
     )
 }
 
-/// A backend that answers every request with a 64 KiB body.
-fn big_backend() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            std::thread::spawn(move || serve_big(stream));
-        }
-    });
-    port
-}
-
-fn serve_big(mut s: TcpStream) {
-    use std::io::{BufRead, BufReader};
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let body = vec![b'x'; 64 * 1024];
-    let mut reader = BufReader::new(s.try_clone().unwrap());
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            if h == "\r\n" || h == "\n" {
-                break;
-            }
-        }
-        let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: keep-alive\r\n\r\n",
-            body.len()
-        );
-        if s.write_all(head.as_bytes()).is_err() || s.write_all(&body).is_err() {
-            return;
-        }
-    }
-}
-
-/// HTTP GETs through `ip:8080`, two threads, ~50 requests/s each (tens of Mbps),
-/// until dropped.
-struct Load {
-    stop: Arc<AtomicBool>,
-    ok: Arc<AtomicU64>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(ip: &str, host: &str) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let ok = Arc::new(AtomicU64::new(0));
-        let threads = (0..2)
-            .map(|_| {
-                let (stop, ok) = (stop.clone(), ok.clone());
-                let (ip, host) = (ip.to_string(), host.to_string());
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        if let Ok((200, _, body)) = http_get(&ip, 8080, &host) {
-                            if body.len() >= 64 * 1024 {
-                                ok.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                })
-            })
-            .collect();
-        Load { stop, ok, threads }
-    }
-    fn stop(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-        self.ok.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
 /// A running `lbscale daemon`; killed when dropped.
 struct Daemon {
     child: Option<Child>,
@@ -204,7 +114,7 @@ impl Daemon {
     }
 
     fn get(&self, path: &str) -> Result<(u16, String), String> {
-        get(self.port, path)
+        daemon_get(self.port, path)
     }
 
     fn json(&self, path: &str) -> Value {
@@ -277,27 +187,6 @@ impl Drop for Daemon {
             }
         }
     }
-}
-
-fn get(port: u16, path: &str) -> Result<(u16, String), String> {
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| e.to_string())?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
-    let (head, body) = raw.split_once("\r\n\r\n").ok_or("no response")?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or("bad status line")?;
-    Ok((code, body.to_string()))
 }
 
 /// Serving nodes of the group in the store: (id, ip).

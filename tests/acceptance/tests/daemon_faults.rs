@@ -15,13 +15,10 @@
 
 use lbscale_acceptance::*;
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 extern "C" {
@@ -84,83 +81,6 @@ output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
     )
 }
 
-/// A backend that answers every request with a 64 KiB body.
-fn big_backend() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            std::thread::spawn(move || serve_big(stream));
-        }
-    });
-    port
-}
-
-fn serve_big(mut s: TcpStream) {
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let body = vec![b'x'; 64 * 1024];
-    let mut reader = BufReader::new(s.try_clone().unwrap());
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            if h == "\r\n" || h == "\n" {
-                break;
-            }
-        }
-        let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: keep-alive\r\n\r\n",
-            body.len()
-        );
-        if s.write_all(head.as_bytes()).is_err() || s.write_all(&body).is_err() {
-            return;
-        }
-    }
-}
-
-/// HTTP GETs through `ip:8080` (tens of Mbps) until stopped.
-struct Load {
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(ip: &str, host: &str) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..2)
-            .map(|_| {
-                let stop = stop.clone();
-                let (ip, host) = (ip.to_string(), host.to_string());
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let _ = http_get(&ip, 8080, &host);
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                })
-            })
-            .collect();
-        Load { stop, threads }
-    }
-    fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
 /// Every daemon of this file listens on a port of its own.
 static NEXT_PORT: AtomicU16 = AtomicU16::new(19480);
 
@@ -206,7 +126,7 @@ impl Daemon {
             log,
         };
         wait_for("the daemon's /healthz", Duration::from_secs(10), || {
-            matches!(get(d.port, "/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
+            matches!(daemon_get(d.port, "/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
         });
         d
     }
@@ -216,7 +136,9 @@ impl Daemon {
     }
 
     fn workflows(&self, step: &str) -> f64 {
-        let m = get(self.port, "/metrics").map(|r| r.1).unwrap_or_default();
+        let m = daemon_get(self.port, "/metrics")
+            .map(|r| r.1)
+            .unwrap_or_default();
         let series = format!("lbscale_workflow_seconds_count{{step=\"{step}\"}}");
         m.lines()
             .find_map(|l| {
@@ -292,27 +214,6 @@ impl Drop for Daemon {
             }
         }
     }
-}
-
-fn get(port: u16, path: &str) -> Result<(u16, String), String> {
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| e.to_string())?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
-    let (head, body) = raw.split_once("\r\n\r\n").ok_or("no response")?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or("bad status line")?;
-    Ok((code, body.to_string()))
 }
 
 /// Node processes of the workspace: (node id, listen ip).
