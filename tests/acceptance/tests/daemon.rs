@@ -298,7 +298,17 @@ fn daemon_scales_out_under_load_and_back_in_when_idle() {
         1,
         "one scale-out (max_nodes 2)"
     );
-    let m = daemon.metrics();
+    // The workflow's duration is recorded when the workflow returns, a moment
+    // after its last event: wait for it rather than race it.
+    let m = wait_for(
+        "the scale-out workflow in /metrics",
+        Duration::from_secs(10),
+        || {
+            let m = daemon.metrics();
+            (metric(&m, r#"lbscale_workflow_seconds_count{step="scale_out"}"#) == Some(1.0))
+                .then_some(m)
+        },
+    );
     assert_eq!(
         metric(
             &m,
