@@ -1126,6 +1126,18 @@ impl Engine {
                     lb_method: LbMethod::from_str_name(&s.lb_method)
                         .unwrap_or(LbMethod::Leastconnection) as i32,
                     persistence: s.persistence,
+                    // The node ramps new services itself (first bound there, or back
+                    // UP) with lbscale-core's model; the engine only says how.
+                    slow_start: s.slow_start.as_ref().map(|ss| lbscale_proto::SlowStart {
+                        new_service_request: ss.new_service_request.max(0) as u32,
+                        unit: if ss.unit == "PERCENT" {
+                            lbscale_proto::SlowStartUnit::Percent
+                        } else {
+                            lbscale_proto::SlowStartUnit::PerSecond
+                        } as i32,
+                        increment_interval_s: ss.increment_interval.max(0) as u32,
+                    }),
+                    scaleout: None,
                     services: s
                         .services
                         .into_iter()
@@ -1135,7 +1147,8 @@ impl Engine {
                             port: svc.port as u32,
                             weight: svc.weight as u32,
                             enabled: svc.enabled,
-                            cap_per_second: 0.0,
+                            cap_per_second: None,
+                            custom_load: None,
                         })
                         .collect(),
                 }

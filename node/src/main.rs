@@ -234,7 +234,8 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
                 .with_context(|| format!("--service {s:?}: bad port"))?,
             weight,
             enabled: true,
-            cap_per_second: 0.0,
+            cap_per_second: None,
+            custom_load: None,
         });
     }
     if services.is_empty() {
@@ -252,6 +253,8 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
             lb_method: method as i32,
             persistence: "NONE".into(),
             services,
+            slow_start: None,
+            scaleout: None,
         }],
     })
     .await

@@ -245,7 +245,7 @@ impl Node {
                         v.name, s.name, s.address, s.port
                     )));
                 }
-                if !s.cap_per_second.is_finite() || s.cap_per_second < 0.0 {
+                if s.cap_per_second.is_some_and(|c| !c.is_finite() || c < 0.0) {
                     return Err(Status::invalid_argument(format!(
                         "vserver {}: service {}: cap_per_second must be >= 0",
                         v.name, s.name
@@ -416,7 +416,7 @@ impl Node {
                     rt,
                     weight: s.weight.max(1),
                     enabled: s.enabled,
-                    cap: s.cap_per_second,
+                    cap: s.cap_per_second.unwrap_or(0.0),
                 }
             })
             .collect();
@@ -518,6 +518,7 @@ impl Node {
                 requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
                 active_connections: rt.active.load(Ordering::Relaxed),
                 avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
+                ..Default::default()
             });
         }
         for st in states {
@@ -530,6 +531,7 @@ impl Node {
                     requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
                     active_connections: rt.active.load(Ordering::Relaxed),
                     avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
+                    ..Default::default()
                 });
             }
         }
@@ -544,6 +546,7 @@ impl Node {
             total_connections: TOTAL_CONNS.load(Ordering::Relaxed),
             services,
             uptime_ms: self.started.elapsed().as_millis() as u64,
+            ..Default::default()
         }
     }
 }

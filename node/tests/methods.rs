@@ -14,7 +14,8 @@ fn svc(name: &str, b: &HttpBackend, weight: u32) -> Service {
         port: b.addr.port() as u32,
         weight,
         enabled: true,
-        cap_per_second: 0.0,
+        cap_per_second: None,
+        custom_load: None,
     }
 }
 
@@ -30,6 +31,8 @@ async fn configure(cl: &mut Client, m: LbMethod, services: Vec<Service>) {
                 lb_method: m as i32,
                 persistence: "NONE".into(),
                 services,
+                slow_start: None,
+                scaleout: None,
             }],
         }),
     )
@@ -283,6 +286,8 @@ async fn removed_service_drains_then_closes() {
             lb_method: LbMethod::Roundrobin as i32,
             persistence: "NONE".into(),
             services,
+            slow_start: None,
+            scaleout: None,
         }],
     };
     cl.configure(tcp_vs(vec![svc("a", &a, 1), svc("b", &b, 1)]))

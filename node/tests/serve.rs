@@ -87,7 +87,8 @@ fn svc(name: &str, addr: std::net::SocketAddr, weight: u32, enabled: bool) -> Se
         port: addr.port() as u32,
         weight,
         enabled,
-        cap_per_second: 0.0,
+        cap_per_second: None,
+        custom_load: None,
     }
 }
 
@@ -99,6 +100,8 @@ fn vserver(name: &str, t: ServiceType, port: u16, m: LbMethod, services: Vec<Ser
         lb_method: m as i32,
         persistence: "NONE".into(),
         services,
+        slow_start: None,
+        scaleout: None,
     }
 }
 
@@ -594,7 +597,7 @@ async fn slow_start_cap_limits_a_service() {
     let node = start_node("cap", "127.77.6.1");
     let mut cl = client(&node).await;
     let mut capped = svc("new", a.addr, 1, true);
-    capped.cap_per_second = 5.0;
+    capped.cap_per_second = Some(5.0);
     configure(
         &mut cl,
         1,

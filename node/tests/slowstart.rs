@@ -94,7 +94,8 @@ fn node_config(
                 weight: s.weight,
                 // cap 0 in slow start = no traffic yet: disabled (see the module doc).
                 enabled: cap != Some(0.0),
-                cap_per_second: cap.unwrap_or(0.0),
+                cap_per_second: cap,
+                custom_load: None,
             }
         })
         .collect();
@@ -107,6 +108,8 @@ fn node_config(
             lb_method: LbMethod::Roundrobin as i32,
             persistence: "NONE".into(),
             services,
+            slow_start: None,
+            scaleout: None,
         }],
     }
 }
