@@ -1138,6 +1138,7 @@ impl Engine {
                         increment_interval_s: ss.increment_interval.max(0) as u32,
                     }),
                     scaleout: None,
+                    ramp_peers: vec![],
                     services: s
                         .services
                         .into_iter()

@@ -255,6 +255,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
             services,
             slow_start: None,
             scaleout: None,
+            ramp_peers: vec![],
         }],
     })
     .await

@@ -33,6 +33,7 @@ async fn configure(cl: &mut Client, m: LbMethod, services: Vec<Service>) {
                 services,
                 slow_start: None,
                 scaleout: None,
+                ramp_peers: vec![],
             }],
         }),
     )
@@ -288,6 +289,7 @@ async fn removed_service_drains_then_closes() {
             services,
             slow_start: None,
             scaleout: None,
+            ramp_peers: vec![],
         }],
     };
     cl.configure(tcp_vs(vec![svc("a", &a, 1), svc("b", &b, 1)]))

@@ -102,6 +102,7 @@ fn vserver(name: &str, t: ServiceType, port: u16, m: LbMethod, services: Vec<Ser
         services,
         slow_start: None,
         scaleout: None,
+        ramp_peers: vec![],
     }
 }
 

@@ -110,6 +110,7 @@ fn node_config(
             services,
             slow_start: None,
             scaleout: None,
+            ramp_peers: vec![],
         }],
     }
 }
