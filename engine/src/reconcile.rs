@@ -763,9 +763,31 @@ impl Engine {
             .and_then(|v| v.as_u64())
             .unwrap_or(0);
         if applied != version || n.state != NodeState::Active {
+            let mut config = config.clone();
+            if n.state != NodeState::Active {
+                // A joining node's services are new: they ramp under slow start
+                // against the nodes that already serve in its AZ. Only older nodes
+                // are peers, so forwarding between ramping nodes never loops; a
+                // node that is already active gets none (a vserver added to every
+                // node at once does not ramp anywhere).
+                let peers: Vec<String> = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .filter(|p| {
+                        p.az == n.az
+                            && p.seq < n.seq
+                            && p.state == NodeState::Active
+                            && p.registered
+                    })
+                    .map(|p| p.private_ip)
+                    .collect();
+                for v in &mut config.vservers {
+                    v.ramp_peers = peers.clone();
+                }
+            }
             lease.check()?;
-            self.configure(cloud, &n, token, config.clone(), deadline)
-                .await?;
+            self.configure(cloud, &n, token, config, deadline).await?;
             fault_point("after_configure");
             lease.check()?;
             n.handle["config_version"] = version.into();
