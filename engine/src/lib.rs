@@ -4,6 +4,7 @@
 //! - [`store`]: the store shared by the provider and the daemon;
 //! - [`cloud`]: the drivers (where nodes come from, how clients reach them);
 //! - [`nodeapi`]: the client of a node's management API;
+//! - [`placement`]: which nodes hold a vserver, and who forwards to whom;
 //! - [`fault`]: a test hook that aborts the process at a named workflow step;
 //! - [`reconcile`]: apply-time reconciliation of one group: level-triggered, it
 //!   reads what is declared and what is observed and closes the gap.
@@ -15,6 +16,7 @@ pub mod cloud;
 pub mod fault;
 pub mod model;
 pub mod nodeapi;
+pub mod placement;
 pub mod reconcile;
 pub mod store;
 

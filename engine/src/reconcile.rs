@@ -15,8 +15,10 @@ use crate::model::{
     VserverSpec,
 };
 use crate::nodeapi::NodeClient;
+use crate::placement;
 use crate::store::{now_ms, Lease, NodeRow, NodeState, Row, Store, StoreError};
 use lbscale_core::duration::parse_duration;
+use lbscale_core::seplan::ScalingMode;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -307,13 +309,39 @@ impl Engine {
                 e.sort_unstable();
                 e.dedup();
             }
-            for n in self.store.nodes_of_group(&g.id)? {
-                if n.registered {
-                    p.endpoints
-                        .entry(n.az.clone())
-                        .or_default()
-                        .push(n.private_ip.clone());
+            let nodes = self.store.nodes_of_group(&g.id)?;
+            let registered: Vec<&NodeRow> = nodes.iter().filter(|n| n.registered).collect();
+            for n in &registered {
+                p.endpoints
+                    .entry(n.az.clone())
+                    .or_default()
+                    .push(n.private_ip.clone());
+            }
+            // SE scale-out: a port goes to its primary, or to its holders by flow
+            // hash. Vservers of several groups on one port share it.
+            let ports_of: BTreeMap<String, u16> = self
+                .store
+                .vservers_of_group(&g.id)?
+                .into_iter()
+                .filter(|v| v.spec.service_type != "UDP")
+                .map(|v| (v.spec.name, v.spec.port as u16))
+                .collect();
+            for ((vserver, az), placed) in self.placements(&g, &registered)? {
+                let Some(port) = ports_of.get(&vserver) else {
+                    continue;
+                };
+                let t = p
+                    .port_targets
+                    .entry(az)
+                    .or_default()
+                    .entry(*port)
+                    .or_default();
+                for a in placed.targets {
+                    if !t.addresses.contains(&a) {
+                        t.addresses.push(a);
+                    }
                 }
+                t.flow_hash |= placed.flow_hash;
             }
         }
         Ok(p)
@@ -612,15 +640,9 @@ impl Engine {
 
         // 4. Configure every staying node with the group's vservers; a node that
         //    runs the current configuration is active.
-        let version = self.store.config_version(id)?;
-        let config = self.node_config(id, version)?;
-        for n in self.store.nodes_of_group(id)? {
-            if !n.state.is_member() || leaving.iter().any(|l| l.id == n.id) {
-                continue;
-            }
-            self.join(cloud, id, n, &token, &config, deadline, lease)
-                .await?;
-        }
+        let leaving_ids: Vec<String> = leaving.iter().map(|n| n.id.clone()).collect();
+        self.push_configs(cloud, group, &token, &leaving_ids, deadline, lease)
+            .await?;
         // Ports may have changed even when no node did (a vserver was added).
         lease.check()?;
         self.publish(&spec.traffic_distributor_id).await?;
@@ -742,28 +764,53 @@ impl Engine {
         out
     }
 
-    /// Joins a node to its cluster: pushes the group's configuration if the node
-    /// does not run it yet (then it is active), and marks it registered with the
-    /// distributor (the caller publishes).
+    /// Joins every member of the group that stays (not in `leaving`) and pushes
+    /// each its configuration if it changed. Newest first: a new secondary serves
+    /// before its primary starts forwarding to it, and the nodes of a new group
+    /// (none active yet) do not ramp against each other.
+    async fn push_configs(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        leaving: &[String],
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let version = self.store.config_version(&group.id)?;
+        let config = self.node_config(&group.id, version)?;
+        for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
+            if !n.state.is_member() || leaving.contains(&n.id) {
+                continue;
+            }
+            self.join(cloud, group, n, token, &config, leaving, deadline, lease)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Joins a node to its cluster: pushes its configuration (the group's vservers
+    /// with this node's scale-out roles) if the node does not run it yet (then it
+    /// is active), and marks it registered with the distributor (the caller
+    /// publishes).
     #[allow(clippy::too_many_arguments)]
     async fn join(
         &self,
         cloud: &dyn Cloud,
-        group_id: &str,
+        group: &Row<GroupSpec>,
         mut n: NodeRow,
         token: &str,
-        config: &lbscale_proto::NodeConfig,
+        base: &lbscale_proto::NodeConfig,
+        leaving: &[String],
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
-        let version = config.version;
-        let applied = n
-            .handle
-            .get("config_version")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0);
-        if applied != version || n.state != NodeState::Active {
-            let mut config = config.clone();
+        let group_id = group.id.as_str();
+        let version = base.version;
+        let mut config = self.config_for_node(group, base, &n, leaving)?;
+        let fingerprint = config_fingerprint(&config);
+        let applied = n.handle.get("config_fingerprint").and_then(|v| v.as_str());
+        if applied != Some(fingerprint.as_str()) || n.state != NodeState::Active {
             if n.state != NodeState::Active {
                 // A joining node's services are new: they ramp under slow start
                 // against the nodes that already serve in its AZ. Only older nodes
@@ -791,6 +838,7 @@ impl Engine {
             fault_point("after_configure");
             lease.check()?;
             n.handle["config_version"] = version.into();
+            n.handle["config_fingerprint"] = fingerprint.into();
             if n.state != NodeState::Active {
                 n.state = NodeState::Active;
                 self.store.record_event(
@@ -875,7 +923,10 @@ impl Engine {
                         step: "rolling restart",
                         detail: "the new node disappeared".into(),
                     })?;
-                self.join(cloud, group_id, fresh, &token, &config, deadline, &lease)
+                self.join(cloud, &group, fresh, &token, &config, &[], deadline, &lease)
+                    .await?;
+                // The primaries learn of the new node before the old one leaves.
+                self.push_configs(cloud, &group, &token, &[n.id.clone()], deadline, &lease)
                     .await?;
                 lease.check()?;
                 self.publish(&group.spec.traffic_distributor_id).await?;
@@ -1044,6 +1095,10 @@ impl Engine {
         fault_point("after_deregister");
         lease.check()?;
         self.publish(&spec.traffic_distributor_id).await?;
+        // Primaries stop forwarding to the nodes that leave (their forwarded
+        // connections get vs_scalein_timeout on the primary).
+        self.push_configs(cloud, group, &token, &[], deadline, lease)
+            .await?;
 
         let ttl = self.ttl_of(spec)?;
         if !ttl.is_zero() && nodes.iter().any(|n| n.state == NodeState::Draining) {
@@ -1126,6 +1181,101 @@ impl Engine {
             )?;
         }
         Ok(())
+    }
+
+    /// The vservers' placements in the group's AZs over `nodes` (oldest first),
+    /// keyed by (vserver, AZ). Empty unless the distributor is an `nlb`: behind
+    /// DNS, clients reach every node directly and no node forwards.
+    fn placements(
+        &self,
+        group: &Row<GroupSpec>,
+        nodes: &[&NodeRow],
+    ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
+        let mut out = BTreeMap::new();
+        let nlb = self
+            .store
+            .distributor(&group.spec.traffic_distributor_id)?
+            .is_some_and(|d| d.spec.mode == "nlb");
+        if !nlb {
+            return Ok(out);
+        }
+        let se_groups: BTreeMap<String, SeGroupSpec> = self
+            .store
+            .se_groups_of_group(&group.id)?
+            .into_iter()
+            .map(|r| (r.id, r.spec))
+            .collect();
+        for v in self.store.vservers_of_group(&group.id)? {
+            let Some(se) = se_groups.get(&v.spec.se_group_id) else {
+                continue;
+            };
+            let settings = placement::SeSettings {
+                mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
+                max_scaleout_per_vs: se.max_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32,
+                forwarding_cost: se.primary_forwarding_cost,
+                scalein_timeout_ms: parse_duration(&se.vs_scalein_timeout)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
+            };
+            for az in &group.spec.availability_zones {
+                let mut in_az: Vec<&&NodeRow> = nodes.iter().filter(|n| &n.az == az).collect();
+                in_az.sort_by_key(|n| n.seq);
+                let addresses: Vec<String> = in_az.iter().map(|n| n.private_ip.clone()).collect();
+                out.insert(
+                    (v.spec.name.clone(), az.clone()),
+                    placement::place(&settings, &addresses),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// What node `n` runs: the group's vservers with its scale-out role in each
+    /// (placed over the members that stay, i.e. not in `leaving`).
+    fn config_for_node(
+        &self,
+        group: &Row<GroupSpec>,
+        base: &lbscale_proto::NodeConfig,
+        n: &NodeRow,
+        leaving: &[String],
+    ) -> Result<lbscale_proto::NodeConfig> {
+        use lbscale_proto::{Scaleout, ScaleoutPeer, ScaleoutRole};
+        let nodes = self.store.nodes_of_group(&group.id)?;
+        let staying: Vec<&NodeRow> = nodes
+            .iter()
+            .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
+            .collect();
+        let placements = self.placements(group, &staying)?;
+        let mut config = base.clone();
+        for v in &mut config.vservers {
+            let Some(p) = placements.get(&(v.name.clone(), n.az.clone())) else {
+                continue;
+            };
+            let role = p.roles.iter().find(|(a, _)| *a == n.private_ip);
+            v.scaleout = role.map(|(_, role)| match role {
+                placement::Role::Primary {
+                    own_share,
+                    secondaries,
+                } => Scaleout {
+                    role: ScaleoutRole::Primary as i32,
+                    primary_share: *own_share,
+                    secondaries: secondaries
+                        .iter()
+                        .map(|(address, share)| ScaleoutPeer {
+                            address: address.clone(),
+                            share: *share,
+                        })
+                        .collect(),
+                    scalein_timeout_ms: p.scalein_timeout_ms,
+                },
+                placement::Role::Secondary => Scaleout {
+                    role: ScaleoutRole::Secondary as i32,
+                    scalein_timeout_ms: p.scalein_timeout_ms,
+                    ..Default::default()
+                },
+            });
+        }
+        Ok(config)
     }
 
     /// The full configuration the group's nodes run: every vserver placed on it.
@@ -1220,6 +1370,14 @@ impl Engine {
                 ),
             )
             .await?;
+        }
+        let placement_changed = old.spec.scaling_mode != spec.scaling_mode
+            || old.spec.max_scaleout_per_vs != spec.max_scaleout_per_vs
+            || old.spec.primary_forwarding_cost != spec.primary_forwarding_cost
+            || old.spec.vs_scalein_timeout != spec.vs_scalein_timeout;
+        if placement_changed && old.spec.autoscale_group_id == spec.autoscale_group_id {
+            // New roles and shares on the nodes, new targets in the distributor.
+            self.redeploy(Some(spec.autoscale_group_id.clone())).await?;
         }
         if old.spec.autoscale_group_id != spec.autoscale_group_id {
             // Its vservers move with it.
@@ -1367,4 +1525,18 @@ impl Engine {
     pub fn events(&self, group_id: &str, limit: usize) -> Result<Vec<crate::store::Event>> {
         Ok(self.store.events_of_group(group_id, limit)?)
     }
+}
+
+/// Identifies what a node was sent (ramp peers aside: they matter only while it
+/// joins), so that a node is reconfigured exactly when its configuration changes.
+fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
+    use prost::Message;
+    use std::hash::{Hash, Hasher};
+    let mut c = config.clone();
+    for v in &mut c.vservers {
+        v.ramp_peers.clear();
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    c.encode_to_vec().hash(&mut h);
+    format!("{:016x}", h.finish())
 }

@@ -388,10 +388,19 @@ impl Distributor for LocalCloud {
                 };
                 let nodes = publication.endpoints.get(az).cloned().unwrap_or_default();
                 for port in ports {
+                    let placed = publication.port_targets.get(az).and_then(|p| p.get(port));
+                    let (addresses, flow_hash) = match placed {
+                        Some(t) => (&t.addresses, t.flow_hash),
+                        None => (&nodes, false),
+                    };
                     let targets: Vec<String> =
-                        nodes.iter().map(|n| format!("{n}:{port}")).collect();
-                    listeners
-                        .push(serde_json::json!({"vip": vip, "port": port, "targets": targets}));
+                        addresses.iter().map(|n| format!("{n}:{port}")).collect();
+                    let mut listener =
+                        serde_json::json!({"vip": vip, "port": port, "targets": targets});
+                    if flow_hash {
+                        listener["balance"] = "flow_hash".into();
+                    }
+                    listeners.push(listener);
                 }
             }
             serde_json::json!({"version": rt.version, "listeners": listeners})

@@ -67,6 +67,17 @@ pub struct Publication {
     pub endpoints: BTreeMap<String, Vec<String>>,
     /// AZ -> TCP ports to forward (vservers placed on groups in that AZ).
     pub ports: BTreeMap<String, Vec<u16>>,
+    /// AZ -> port -> where an `nlb` sends that port when it is not every endpoint
+    /// of the AZ (SE scale-out: the primary only, or the holders by flow hash).
+    pub port_targets: BTreeMap<String, BTreeMap<u16, PortTargets>>,
+}
+
+/// The targets of one `nlb` port (see [`crate::placement`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PortTargets {
+    pub addresses: Vec<String>,
+    /// Pick the target by a hash of the client's flow (the ECMP stand-in).
+    pub flow_hash: bool,
 }
 
 #[async_trait::async_trait]
