@@ -926,8 +926,15 @@ impl Engine {
                 self.join(cloud, &group, fresh, &token, &config, &[], deadline, &lease)
                     .await?;
                 // The primaries learn of the new node before the old one leaves.
-                self.push_configs(cloud, &group, &token, &[n.id.clone()], deadline, &lease)
-                    .await?;
+                self.push_configs(
+                    cloud,
+                    &group,
+                    &token,
+                    std::slice::from_ref(&n.id),
+                    deadline,
+                    &lease,
+                )
+                .await?;
                 lease.check()?;
                 self.publish(&group.spec.traffic_distributor_id).await?;
                 self.scale_in(
