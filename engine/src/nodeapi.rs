@@ -1,7 +1,9 @@
 //! The engine's side of the node management API (`proto/node.proto`).
 
 use lbscale_proto::node_api_client::NodeApiClient;
-use lbscale_proto::{DrainRequest, NodeConfig, NodeStats, StatsRequest};
+use lbscale_proto::{DrainRequest, NodeConfig, StatsRequest};
+/// What a node reports (re-exported for the daemon, the CLI and the tests).
+pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
 use std::time::Duration;
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;

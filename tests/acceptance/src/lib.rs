@@ -214,6 +214,28 @@ provider "lbscale" {{
         lbscale_engine::store::Store::open(&self.dir.join(".lbscale/state.db")).expect("open store")
     }
 
+    /// A node's statistics, read from its management API with the group's token
+    /// (as the daemon reads them).
+    pub async fn node_stats(
+        &self,
+        node: &lbscale_engine::store::NodeRow,
+    ) -> lbscale_engine::nodeapi::NodeStats {
+        let token = self
+            .store()
+            .group_token(&node.group_id)
+            .unwrap()
+            .expect("the group's token");
+        let port = node
+            .handle
+            .get("api_port")
+            .and_then(|p| p.as_u64())
+            .expect("the node's API port") as u16;
+        let mut c = lbscale_engine::nodeapi::NodeClient::connect(&node.private_ip, port, &token)
+            .await
+            .expect("connect to the node's API");
+        c.stats().await.expect("GetStats")
+    }
+
     /// Running (not zombie) processes whose command line mentions this workspace.
     pub fn processes(&self) -> Vec<(u32, String)> {
         let needle = self.dir.display().to_string();
