@@ -300,8 +300,8 @@ fn dns_distributor_vservers_and_traffic() {
     ws.assert_nothing_left(&addrs);
 }
 
-#[test]
-fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
+#[tokio::test(flavor = "multi_thread")]
+async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
     let b = backends();
     let mut ws = Workspace::new("nlb", 113);
     ws.write(&stack("nlb", "60s", "0.3", 1, &b, false));
@@ -326,6 +326,63 @@ fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
         "both nodes serve through the VIP: {nodes:?}"
     );
     assert_eq!(tcp_roundtrip(&vip, 9000), "echo\nping\n");
+
+    // Native SE scale-out (the default scaling_mode): the VIP sends every
+    // connection to the primary (the older node), which keeps its share and
+    // forwards the rest to the secondary. With primary_forwarding_cost 0.3 the
+    // CPU-equalising shares of 2 nodes are 0.7/1.7 and 1/1.7 (lbscale-core seplan).
+    let group_id = ws.resource("lbscale_autoscale_group.g")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut nodes_by_age = ws.store().nodes_of_group(&group_id).unwrap();
+    nodes_by_age.sort_by_key(|n| n.seq);
+    let (primary, secondary) = (&nodes_by_age[0], &nodes_by_age[1]);
+    let n = 170;
+    let (_, _, served_by) = spread(&vip, n);
+    let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
+    let on_secondary = served_by.iter().filter(|x| **x == secondary.id).count();
+    assert_eq!(on_primary + on_secondary, n, "{served_by:?}");
+    assert!(
+        on_primary.abs_diff(70) <= 4,
+        "the primary keeps 0.7/1.7 of {n} connections (70), kept {on_primary}"
+    );
+    let forwarded = ws.node_stats(primary).await.forwarded;
+    assert!(
+        forwarded
+            .iter()
+            .any(|f| f.peer.starts_with(&secondary.private_ip) && f.connections_total > 0),
+        "the primary reports what it forwarded: {forwarded:?}"
+    );
+
+    // bgp: the VIP spreads flows over both nodes by a flow hash; nobody forwards.
+    ws.write(&stack("nlb", "60s", "0.3", 1, &b, false).replace(
+        "primary_forwarding_cost = 0.3",
+        "primary_forwarding_cost = 0.3\n  scaling_mode            = \"bgp\"",
+    ));
+    ws.apply();
+    ws.assert_plan_empty("scaling_mode bgp");
+    let before: u64 = ws
+        .node_stats(primary)
+        .await
+        .forwarded
+        .iter()
+        .map(|f| f.connections_total)
+        .sum();
+    let (_, _, served_by) = spread(&vip, 60);
+    let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
+    assert!(
+        (10..=50).contains(&on_primary),
+        "flows spread over both nodes: {on_primary} of 60 on the first"
+    );
+    let after: u64 = ws
+        .node_stats(primary)
+        .await
+        .forwarded
+        .iter()
+        .map(|f| f.connections_total)
+        .sum();
+    assert_eq!(before, after, "with bgp no node forwards");
 
     // mode forces a replacement of the distributor (and the group follows it).
     let old_id = ws.resource("lbscale_traffic_distributor.d")["id"]
