@@ -186,9 +186,10 @@ impl ServiceRt {
 
     /// Connects to the backend (TCP), resolving a host name if needed.
     pub async fn connect(&self) -> std::io::Result<tokio::net::TcpStream> {
+        // From the node's own address: the source NAT of scale-out (see scaleout.rs).
         let s = match self.addr {
-            Some(a) => tokio::net::TcpStream::connect(a).await?,
-            None => tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?,
+            Some(a) => crate::scaleout::connect_from_node(a).await?,
+            None => crate::scaleout::connect_host_from_node(&self.host, self.port).await?,
         };
         let _ = s.set_nodelay(true);
         Ok(s)

@@ -8,6 +8,7 @@ mod lb;
 mod metrics;
 mod nlb;
 mod node;
+mod scaleout;
 mod tcp;
 mod udp;
 mod watch;

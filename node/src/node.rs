@@ -28,6 +28,8 @@ pub struct Vserver {
     /// Cancelled when the node closes every connection (end of drain).
     pub kill: CancellationToken,
     pub node_hv: HeaderValue,
+    /// Native scale-out: where new connections go, forwarding statistics.
+    pub scaleout: crate::scaleout::Scaleout,
 }
 
 impl Vserver {
@@ -213,6 +215,7 @@ impl Node {
             removed: Mutex::new(Vec::new()),
         });
         metrics::start_instant();
+        crate::scaleout::set_source_ip(ip);
         tokio::spawn(sampler(Arc::downgrade(&node)));
         node
     }
@@ -257,6 +260,7 @@ impl Node {
             } else {
                 Transport::Tcp
             };
+            crate::scaleout::validate(v)?;
             let key = (v.port as u16, t);
             if let Some((_, _, other)) = desired.iter().find(|(k, _, _)| *k == key) {
                 return Err(Status::invalid_argument(format!(
@@ -311,6 +315,7 @@ impl Node {
             if let Some(l) = inner.listeners.remove(&key) {
                 let st = l.vs.state();
                 self.service_drains(&st.name, Some(&st), None);
+                l.vs.scaleout.update(&st.name, key.0, None);
                 l.vs.closing.cancel();
                 let _ = l.task.await;
                 tracing::info!(port = key.0, "vserver closed");
@@ -324,6 +329,7 @@ impl Node {
             self.service_drains(&v.name, prev.as_deref(), Some(&state));
             if let Some(l) = inner.listeners.get(key) {
                 l.vs.set_state(state);
+                l.vs.scaleout.update(&v.name, key.0, v.scaleout.as_ref());
                 continue;
             }
             let vs = Arc::new(Vserver {
@@ -332,7 +338,9 @@ impl Node {
                 closing: self.drain.child_token(),
                 kill: self.kill.clone(),
                 node_hv: self.node_hv.clone(),
+                scaleout: Default::default(),
             });
+            vs.scaleout.update(&v.name, key.0, v.scaleout.as_ref());
             let task = match bound.remove(key) {
                 Some(Bound::Tcp(l)) => tokio::spawn(accept_loop(l, vs.clone())),
                 Some(Bound::Udp(s)) => tokio::spawn(crate::udp::serve(s, vs.clone(), self.ip)),
@@ -495,6 +503,13 @@ impl Node {
         };
         let mut services = Vec::new();
         let inner = self.inner.lock().await;
+        let mut forwarded = Vec::new();
+        let mut served_connections_total = HashMap::new();
+        for l in inner.listeners.values() {
+            let name = l.vs.state().name.clone();
+            forwarded.extend(l.vs.scaleout.forward_stats(&name));
+            served_connections_total.insert(name, l.vs.scaleout.served());
+        }
         let mut states: Vec<Arc<VsState>> =
             inner.listeners.values().map(|l| l.vs.state()).collect();
         drop(inner);
@@ -546,6 +561,8 @@ impl Node {
             total_connections: TOTAL_CONNS.load(Ordering::Relaxed),
             services,
             uptime_ms: self.started.elapsed().as_millis() as u64,
+            forwarded,
+            served_connections_total,
             ..Default::default()
         }
     }
@@ -591,12 +608,8 @@ async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {
             _ = vs.closing.cancelled() => break,
             r = listener.accept() => match r {
                 Ok((stream, peer)) => {
-                    let vs = vs.clone();
-                    let kind = vs.state().kind;
-                    match kind {
-                        Kind::Http => { tokio::spawn(crate::http::serve_conn(stream, peer, vs)); }
-                        _ => { tokio::spawn(crate::tcp::serve_conn(stream, vs)); }
-                    }
+                    // Served here, or forwarded to a scale-out secondary.
+                    tokio::spawn(crate::scaleout::accept(stream, peer, vs.clone()));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");

@@ -1,0 +1,492 @@
+//! Native SE scale-out (domain.md "SE group", golden G4): a vserver spread over
+//! several nodes.
+//!
+//! - **PRIMARY**: every client connection of the vserver arrives here. For each new
+//!   connection the primary picks, by smooth weighted round robin over the shares
+//!   (`primary_share` for itself, `share` for each secondary), whether to serve it
+//!   itself or to forward it. Smooth round robin rather than a random draw: the
+//!   counts then follow the shares to within about one connection at any moment,
+//!   which is what the engine's CPU-equalising plan (lbscale-core `seplan`) assumes.
+//!   Forwarding is L4: the primary opens a TCP connection to the secondary's
+//!   address at the vserver's port and relays bytes both ways, whatever the
+//!   vserver's type (an HTTP vserver's secondary terminates HTTP itself).
+//! - **SECONDARY**: serves what it gets like any connection; it may also be reached
+//!   directly. Nothing else differs.
+//! - **Source NAT and the symmetric path**: every connection a node opens (to a
+//!   service, or to a secondary) leaves from the node's own address (see
+//!   [`connect_from_node`]). A service therefore sees the secondary's address, its
+//!   reply returns to the secondary, which hands it back over the primary's
+//!   forwarded connection to the client: the return path crosses the same nodes as
+//!   the request. (The secondary sees the primary as its client, so an HTTP
+//!   secondary's `X-Forwarded-For` names the primary, not the client.)
+//! - **Unreachable secondary**: the connection is served on the primary (it counts
+//!   as served there) and that secondary is skipped for [`PEER_RETRY`].
+//! - **Scale-in**: a secondary dropped from the list (or every secondary, when the
+//!   node stops being the primary or the vserver goes) gets no new connections; its
+//!   forwarded connections stay open for `scalein_timeout_ms` (0: lbscale-core's
+//!   default `vs_scalein_timeout`, 30 s), then the primary closes them. A secondary
+//!   added back before that keeps them.
+//! - **Statistics**: `forwarded` has one entry per secondary (total and active
+//!   forwarded connections), dropped ones while they still have connections;
+//!   `served_connections_total` counts, per vserver, the connections the node served
+//!   itself (every vserver, scaled out or not; HTTP counts connections, not
+//!   requests).
+//!
+//! UDP vservers are not forwarded: their primary serves every flow.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use lbscale_proto::ScaleoutRole;
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::lb::Kind;
+use crate::metrics::ConnGuard;
+use crate::node::Vserver;
+
+/// How long the primary waits for a secondary to accept a forwarded connection.
+/// Secondaries sit in the same AZ: a slow connect means a sick node, and the
+/// client is better served by the primary than kept waiting.
+const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long an unreachable secondary is skipped before the primary tries it again.
+pub const PEER_RETRY: Duration = Duration::from_secs(1);
+
+/// The node's own address, the source of every connection it opens (one node per
+/// process). Unset (standalone on a wildcard address): the kernel chooses.
+static SOURCE_IP: OnceLock<IpAddr> = OnceLock::new();
+
+/// Records the node's address as the source of its outgoing connections.
+pub fn set_source_ip(ip: IpAddr) {
+    if !ip.is_unspecified() {
+        let _ = SOURCE_IP.set(ip);
+    }
+}
+
+/// Connects to `target` from the node's own address: the source NAT of a
+/// scaled-out vserver (the service, or the secondary, sees this node and answers
+/// it). Without it a loopback or multi-address host would pick some other source
+/// address (127.0.0.1 for every node on loopback) and replies could bypass the
+/// node. The source is left to the kernel when it could not route to `target`
+/// (other address family, loopback to non-loopback).
+pub async fn connect_from_node(target: SocketAddr) -> io::Result<TcpStream> {
+    let src = SOURCE_IP.get().copied().filter(|ip| {
+        ip.is_ipv4() == target.is_ipv4() && ip.is_loopback() == target.ip().is_loopback()
+    });
+    let Some(src) = src else {
+        return TcpStream::connect(target).await;
+    };
+    let sock = if target.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // Choose the source port at connect time, from the full 4-tuple: a plain
+    // bind(ip:0) would reserve a port per connection across every destination and
+    // run out under many short connections.
+    let one: libc::c_int = 1;
+    // SAFETY: a valid socket descriptor and a c_int option value of the right size.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            &one as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    sock.bind(SocketAddr::new(src, 0))?;
+    sock.connect(target).await
+}
+
+/// Connects to `host:port` (an IP address or a name) from the node's own address.
+pub async fn connect_host_from_node(host: &str, port: u16) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host}: no address"));
+    for a in tokio::net::lookup_host((host, port)).await? {
+        match connect_from_node(a).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// One secondary of a primary, kept across configurations while it is listed or
+/// still has forwarded connections.
+pub struct Peer {
+    /// As configured (`ScaleoutPeer.address`).
+    pub address: String,
+    port: u16,
+    connections_total: AtomicU64,
+    active: AtomicU64,
+    /// Cancelled when the scale-in timeout closes the forwarded connections.
+    kill: Mutex<CancellationToken>,
+    /// Bumped whenever the secondary leaves or comes back: a scale-in timer only
+    /// closes connections if nothing happened since it started.
+    leave_gen: AtomicU64,
+    leaving: std::sync::atomic::AtomicBool,
+    /// Skipped until then after a failed connect.
+    retry_at: Mutex<Option<Instant>>,
+}
+
+impl Peer {
+    fn new(address: &str, port: u16) -> Peer {
+        Peer {
+            address: address.to_string(),
+            port,
+            connections_total: AtomicU64::new(0),
+            active: AtomicU64::new(0),
+            kill: Mutex::new(CancellationToken::new()),
+            leave_gen: AtomicU64::new(0),
+            leaving: std::sync::atomic::AtomicBool::new(false),
+            retry_at: Mutex::new(None),
+        }
+    }
+
+    fn kill_token(&self) -> CancellationToken {
+        self.kill.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn available(&self) -> bool {
+        let r = self.retry_at.lock().unwrap_or_else(|e| e.into_inner());
+        r.is_none_or(|t| Instant::now() >= t)
+    }
+
+    fn mark_unreachable(&self) {
+        *self.retry_at.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Instant::now() + PEER_RETRY);
+    }
+
+    /// The secondary's listener: `address` is an IP (or a name) listening on the
+    /// vserver's port; an explicit `IP:PORT` is taken as is.
+    async fn connect(&self) -> io::Result<TcpStream> {
+        if let Ok(a) = self.address.parse::<SocketAddr>() {
+            return connect_from_node(a).await;
+        }
+        if let Ok(ip) = self.address.parse::<IpAddr>() {
+            return connect_from_node(SocketAddr::new(ip, self.port)).await;
+        }
+        connect_host_from_node(&self.address, self.port).await
+    }
+}
+
+/// Where a new connection goes.
+pub enum Route {
+    Local,
+    Forward(Arc<Peer>),
+}
+
+/// Smooth weighted round robin (nginx's): every pick adds each weight to its
+/// running score, takes the highest score and lowers it by the total. Over any run
+/// of picks each choice's count stays within about one of its exact share.
+struct Smooth {
+    /// Index 0 is the primary itself, then the secondaries in configuration order.
+    weights: Vec<f64>,
+    scores: Vec<f64>,
+}
+
+impl Smooth {
+    fn pick(&mut self) -> Option<usize> {
+        let total: f64 = self.weights.iter().sum();
+        if total <= 0.0 {
+            return None;
+        }
+        let mut best = 0;
+        for i in 0..self.weights.len() {
+            self.scores[i] += self.weights[i];
+            if self.scores[i] > self.scores[best] {
+                best = i;
+            }
+        }
+        self.scores[best] -= total;
+        Some(best)
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Listed secondaries (selection order) and their plan; empty unless PRIMARY.
+    listed: Vec<Arc<Peer>>,
+    smooth: Option<Smooth>,
+    /// Secondaries dropped from the list, until their connections are gone.
+    leaving: Vec<Arc<Peer>>,
+}
+
+/// The scale-out state of one vserver on this node; lives as long as its listener.
+#[derive(Default)]
+pub struct Scaleout {
+    served: AtomicU64,
+    inner: Mutex<Inner>,
+}
+
+/// Rejects a scale-out that cannot be applied: negative or non-finite shares, a
+/// secondary listed twice or without an address.
+pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), Status> {
+    let Some(s) = &v.scaleout else { return Ok(()) };
+    let bad = |what: String| {
+        Err(Status::invalid_argument(format!(
+            "vserver {}: scaleout: {what}",
+            v.name
+        )))
+    };
+    if !s.primary_share.is_finite() || s.primary_share < 0.0 {
+        return bad(format!("primary_share {} must be >= 0", s.primary_share));
+    }
+    for (i, p) in s.secondaries.iter().enumerate() {
+        if p.address.trim().is_empty() {
+            return bad(format!("secondary {i} has no address"));
+        }
+        if !p.share.is_finite() || p.share < 0.0 {
+            return bad(format!(
+                "secondary {}: share {} must be >= 0",
+                p.address, p.share
+            ));
+        }
+        if s.secondaries[..i].iter().any(|q| q.address == p.address) {
+            return bad(format!("secondary {} is listed twice", p.address));
+        }
+    }
+    Ok(())
+}
+
+impl Scaleout {
+    /// Applies the vserver's scale-out settings (`None`: the vserver is on this node
+    /// only, or is gone). Secondaries no longer listed start their scale-in.
+    pub fn update(&self, vserver: &str, port: u16, cfg: Option<&lbscale_proto::Scaleout>) {
+        let primary = cfg.filter(|c| c.role == ScaleoutRole::Primary as i32);
+        let timeout = match cfg.map(|c| c.scalein_timeout_ms).unwrap_or(0) {
+            0 => Duration::from_millis(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
+            ms => Duration::from_millis(ms),
+        };
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let old_scores: HashMap<String, f64> = match &inner.smooth {
+            Some(s) => inner
+                .listed
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.address.clone(), s.scores[i + 1]))
+                .chain(std::iter::once((String::new(), s.scores[0])))
+                .collect(),
+            None => HashMap::new(),
+        };
+        let mut listed = Vec::new();
+        let mut weights = Vec::new();
+        if let Some(c) = primary {
+            weights.push(c.primary_share);
+            for sp in &c.secondaries {
+                let known = inner
+                    .listed
+                    .iter()
+                    .chain(inner.leaving.iter())
+                    .find(|p| p.address == sp.address)
+                    .cloned();
+                let peer = match known {
+                    Some(p) => {
+                        if p.leaving.swap(false, Ordering::SeqCst) {
+                            p.leave_gen.fetch_add(1, Ordering::SeqCst);
+                            tracing::info!(vserver, secondary = %p.address, "secondary back before its scale-in timeout");
+                        }
+                        p
+                    }
+                    None => {
+                        tracing::info!(vserver, secondary = %sp.address, share = sp.share, "secondary added");
+                        Arc::new(Peer::new(&sp.address, port))
+                    }
+                };
+                listed.push(peer);
+                weights.push(sp.share);
+            }
+        }
+        let dropped: Vec<Arc<Peer>> = inner
+            .listed
+            .iter()
+            .filter(|p| !listed.iter().any(|q| Arc::ptr_eq(p, q)))
+            .cloned()
+            .collect();
+        inner.leaving.retain(|p| {
+            p.leaving.load(Ordering::SeqCst) && !listed.iter().any(|q| Arc::ptr_eq(p, q))
+        });
+        for p in dropped {
+            p.leaving.store(true, Ordering::SeqCst);
+            let gen = p.leave_gen.fetch_add(1, Ordering::SeqCst) + 1;
+            tracing::info!(
+                vserver,
+                secondary = %p.address,
+                connections = p.active.load(Ordering::Relaxed),
+                timeout_ms = timeout.as_millis() as u64,
+                "secondary leaving: no new connections; open ones close after the scale-in timeout"
+            );
+            let vserver = vserver.to_string();
+            let peer = p.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(timeout).await;
+                if peer.leave_gen.load(Ordering::SeqCst) != gen {
+                    return; // came back, or left again with a newer timer
+                }
+                let left = peer.active.load(Ordering::Relaxed);
+                if left > 0 {
+                    tracing::info!(vserver, secondary = %peer.address, connections = left, "scale-in timeout: closing forwarded connections");
+                }
+                let mut k = peer.kill.lock().unwrap_or_else(|e| e.into_inner());
+                k.cancel();
+                *k = CancellationToken::new();
+            });
+            inner.leaving.push(p);
+        }
+        // Keep the running scores of choices that stay, so that re-sending the same
+        // plan does not restart the sequence (which would favour the largest shares).
+        inner.smooth = primary.map(|_| {
+            let scores = std::iter::once(String::new())
+                .chain(listed.iter().map(|p| p.address.clone()))
+                .map(|k| old_scores.get(&k).copied().unwrap_or(0.0))
+                .collect();
+            Smooth { weights, scores }
+        });
+        inner.listed = listed;
+    }
+
+    /// Chooses where the next connection of the vserver goes.
+    pub fn route(&self) -> Route {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = inner.smooth.as_mut().and_then(|s| s.pick()) else {
+            return Route::Local;
+        };
+        match i {
+            0 => Route::Local,
+            i => {
+                let p = &inner.listed[i - 1];
+                if p.available() {
+                    Route::Forward(p.clone())
+                } else {
+                    Route::Local
+                }
+            }
+        }
+    }
+
+    /// Connections this node served itself.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    /// One entry per listed secondary, and per dropped one that still has
+    /// connections.
+    pub fn forward_stats(&self, vserver: &str) -> Vec<lbscale_proto::ForwardStats> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner
+            .leaving
+            .retain(|p| p.leaving.load(Ordering::SeqCst) && p.active.load(Ordering::Relaxed) > 0);
+        inner
+            .listed
+            .iter()
+            .chain(inner.leaving.iter())
+            .map(|p| lbscale_proto::ForwardStats {
+                vserver: vserver.to_string(),
+                peer: p.address.clone(),
+                connections_total: p.connections_total.load(Ordering::Relaxed),
+                active_connections: p.active.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}
+
+/// Counts a forwarded connection as active while alive.
+struct ActiveGuard(Arc<Peer>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Handles one accepted connection of a TCP or HTTP vserver: forwards it to a
+/// secondary when this node is the vserver's primary and the plan says so, else
+/// serves it here.
+pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
+    let client = match vs.scaleout.route() {
+        Route::Local => client,
+        Route::Forward(peer) => match forward(client, &vs, peer).await {
+            Ok(()) => return,
+            Err(client) => client,
+        },
+    };
+    vs.scaleout.served.fetch_add(1, Ordering::Relaxed);
+    match vs.state().kind {
+        Kind::Http => crate::http::serve_conn(client, from, vs).await,
+        _ => crate::tcp::serve_conn(client, vs).await,
+    }
+}
+
+/// Relays `client` to `peer` until either side closes, the scale-in timeout of a
+/// leaving secondary, or the end of a drain. Hands the client back when the
+/// secondary cannot be reached.
+async fn forward(client: TcpStream, vs: &Vserver, peer: Arc<Peer>) -> Result<(), TcpStream> {
+    let up = match tokio::time::timeout(PEER_CONNECT_TIMEOUT, peer.connect()).await {
+        Ok(Ok(s)) => s,
+        r => {
+            let error = match r {
+                Ok(Err(e)) => e.to_string(),
+                _ => "connect timed out".to_string(),
+            };
+            tracing::warn!(secondary = %peer.address, %error, "secondary unreachable: serving on the primary");
+            peer.mark_unreachable();
+            return Err(client);
+        }
+    };
+    let _g = ConnGuard::new();
+    let _ = client.set_nodelay(true);
+    let _ = up.set_nodelay(true);
+    let kill = peer.kill_token();
+    peer.connections_total.fetch_add(1, Ordering::Relaxed);
+    peer.active.fetch_add(1, Ordering::Relaxed);
+    let _active = ActiveGuard(peer);
+    tokio::select! {
+        _ = crate::tcp::relay(client, up) => {}
+        _ = kill.cancelled() => {}
+        _ = vs.kill.cancelled() => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smooth(w: &[f64]) -> Smooth {
+        Smooth {
+            weights: w.to_vec(),
+            scores: vec![0.0; w.len()],
+        }
+    }
+
+    #[test]
+    fn smooth_counts_follow_the_g4_shares_closely() {
+        let plan = lbscale_core::seplan::plan(&lbscale_core::seplan::PlanParams::default(), 4);
+        let mut s = smooth(&plan.shares);
+        let mut counts = [0u32; 4];
+        for n in 1..=1000u32 {
+            counts[s.pick().unwrap()] += 1;
+            for (i, c) in counts.iter().enumerate() {
+                let want = plan.shares[i] * f64::from(n);
+                assert!(
+                    (f64::from(*c) - want).abs() <= 1.5,
+                    "after {n}: {counts:?} vs {:?}",
+                    plan.shares
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_shares_never_picked_and_all_zero_is_none() {
+        let mut s = smooth(&[0.0, 1.0, 0.0]);
+        assert!((0..50).all(|_| s.pick() == Some(1)));
+        assert_eq!(smooth(&[0.0, 0.0]).pick(), None);
+    }
+}
