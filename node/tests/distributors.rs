@@ -243,3 +243,132 @@ async fn nlb_forwards_and_follows_config() {
     let before = a.hits() + b.hits();
     assert!(before >= 7);
 }
+
+/// BGP scale-out's ECMP stand-in: a `flow_hash` listener spreads flows over every
+/// node holding the vserver, each node serving its flows itself (no primary in the
+/// path); a target of weight 0 gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nlb_flow_hash_spreads_flows_over_the_nodes() {
+    use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, StatsRequest, Vserver};
+    let nodes = ["127.79.2.1", "127.79.2.2", "127.79.2.3"];
+    let _backend = tcp_backend("127.79.2.100:9000", "app").await;
+    let _procs: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| start_serve(&format!("bgp-{i}"), ip, &["--health-interval-ms", "0"]))
+        .collect();
+    for ip in nodes {
+        let mut cl = api_client(ip).await;
+        cl.configure(NodeConfig {
+            version: 1,
+            vservers: vec![Vserver {
+                name: "app".into(),
+                service_type: ServiceType::Tcp as i32,
+                port: 8090,
+                lb_method: LbMethod::Roundrobin as i32,
+                persistence: "NONE".into(),
+                services: vec![Service {
+                    name: "app".into(),
+                    address: "127.79.2.100".into(),
+                    port: 9000,
+                    weight: 1,
+                    enabled: true,
+                    cap_per_second: None,
+                    custom_load: None,
+                }],
+                slow_start: None,
+                scaleout: None,
+                ramp_peers: vec![],
+            }],
+        })
+        .await
+        .expect("Configure");
+    }
+    let served = |ip: &'static str| async move {
+        let mut cl = api_client(ip).await;
+        let s = cl
+            .get_stats(StatsRequest {})
+            .await
+            .expect("GetStats")
+            .into_inner();
+        assert!(s.forwarded.is_empty(), "{ip} forwarded connections");
+        s.served_connections_total.get("app").copied().unwrap_or(0)
+    };
+
+    let dir = tmpdir("nlb-bgp");
+    let config = dir.join("nlb.json");
+    let status = dir.join("nlb.status.json");
+    let targets = r#"["127.79.2.1:8090", "127.79.2.2:8090", "127.79.2.3:8090"]"#;
+    write_atomic(
+        &config,
+        &format!(
+            r#"{{"version": 1, "listeners": [
+                {{"vip": "127.79.3.1", "port": 8090, "targets": {targets}, "balance": "flow_hash"}},
+                {{"vip": "127.79.3.2", "port": 8090, "targets": {targets}, "balance": "flow_hash",
+                  "weights": {{"127.79.2.3:8090": 0}}}},
+                {{"vip": "127.79.3.3", "port": 8090, "targets": {targets},
+                  "weights": {{"127.79.2.1:8090": 0.5, "127.79.2.3:8090": 0}}}}]}}"#
+        ),
+    );
+    let _p = Proc::spawn(
+        "nlb",
+        &[
+            "nlb",
+            "--config",
+            config.to_str().unwrap(),
+            "--status",
+            status.to_str().unwrap(),
+        ],
+        &dir.join("nlb.log"),
+    );
+    wait_until("nlb status version 1", Duration::from_secs(10), || {
+        status_version(&status) == Some(1)
+    })
+    .await;
+
+    // Each connection is a new flow (a new source port).
+    async fn drive(vip: &str, n: usize) {
+        for _ in 0..n / 10 {
+            let batch: Vec<_> = (0..10)
+                .map(|_| {
+                    let vip = vip.to_string();
+                    tokio::spawn(async move { first_line(&vip).await })
+                })
+                .collect();
+            for h in batch {
+                assert_eq!(h.await.unwrap().as_deref(), Some("app"));
+            }
+        }
+    }
+    let n = 600;
+    drive("127.79.3.1:8090", n).await;
+    let mut counts = Vec::new();
+    for ip in nodes {
+        counts.push(served(ip).await);
+    }
+    eprintln!("flow_hash over 3 nodes, {n} flows: {counts:?}");
+    assert_eq!(counts.iter().sum::<u64>(), n as u64);
+    for c in &counts {
+        let dev = (*c as f64 / (n as f64 / 3.0) - 1.0).abs();
+        assert!(dev <= 0.2, "uneven spread: {counts:?}");
+    }
+
+    // Weight 0 (hashing, then smooth round robin with weights 0.5, 1, 0).
+    drive("127.79.3.2:8090", 300).await;
+    let mut after = Vec::new();
+    for ip in nodes {
+        after.push(served(ip).await);
+    }
+    let hashed: Vec<u64> = after.iter().zip(&counts).map(|(a, b)| a - b).collect();
+    eprintln!("flow_hash, third node at weight 0, 300 flows: {hashed:?}");
+    assert_eq!(hashed[2], 0, "{hashed:?}");
+    assert!(hashed[0] >= 100 && hashed[1] >= 100, "{hashed:?}");
+    drive("127.79.3.3:8090", 300).await;
+    let mut last = Vec::new();
+    for ip in nodes {
+        last.push(served(ip).await);
+    }
+    let rr: Vec<u64> = last.iter().zip(&after).map(|(a, b)| a - b).collect();
+    eprintln!("weighted round robin 0.5/1/0, 300 connections: {rr:?}");
+    assert_eq!(rr, vec![100, 200, 0]);
+}
