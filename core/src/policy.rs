@@ -41,7 +41,7 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::duration::format_as_seconds;
 use crate::error::{num, ConfigError, PathStep};
@@ -418,7 +418,12 @@ pub enum PhaseKind {
 }
 
 /// Where an AZ is, with the instants its waits end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Serialisable (as part of [`AzState`]) so that the daemon can persist it: the
+/// instants are on the caller's clock, which must then mean the same after a
+/// restart (the daemon uses Unix time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Phase {
     /// Idle. Statistics are evaluated at ticks strictly after `after` (the last
     /// evaluation, or the end of the last wait), which also makes a repeated call at
@@ -487,8 +492,8 @@ impl Phase {
 }
 
 /// The decision state of one AZ cluster. `Copy` and heap-free: the daemon keeps one
-/// per AZ of every group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// per AZ of every group (and persists it, serialised, after each step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AzState {
     /// Current phase.
     pub phase: Phase,
@@ -665,6 +670,8 @@ pub const MAX_PROVISION_ATTEMPTS: u32 = 5;
 /// Wait after the `attempt`-th failed provisioning attempt before the next one:
 /// 30 s doubling each time (30 s, 1 min, 2 min, 4 min, …), at most 10 min. A pure
 /// function of the attempt number so that a resumed daemon computes the same wait.
+/// The daemon waits the same schedule between failed resumes of a group (one
+/// retry schedule for everything lbscale retries on its own).
 pub fn provision_backoff(attempt: u32) -> Duration {
     let base = 30_000u64;
     let cap = 600_000u64;
@@ -1212,6 +1219,37 @@ mod tests {
         let secs: Vec<u64> = (1..=7).map(|a| provision_backoff(a).as_secs()).collect();
         assert_eq!(secs, vec![30, 60, 120, 240, 480, 600, 600]);
         assert_eq!(provision_backoff(u32::MAX).as_secs(), 600);
+    }
+
+    #[test]
+    fn az_state_round_trips_through_json_in_every_phase() {
+        for phase in [
+            Phase::Evaluating { after: None },
+            Phase::Evaluating { after: Some(7) },
+            Phase::Provisioning {
+                requested_at: 1,
+                attempt: 2,
+            },
+            Phase::ProvisionBackoff {
+                retry_after: 3,
+                attempt: 4,
+            },
+            Phase::Cooldown { until: 5 },
+            Phase::Ttl { until: 6 },
+            Phase::Draining { since: 7, until: 8 },
+            Phase::DeprovisionDue { after: 9 },
+            Phase::Deprovisioning { requested_at: 10 },
+        ] {
+            let s = AzState {
+                phase,
+                serving: 2,
+                provisioned: 3,
+                out_streak: [1, 0, 2],
+                in_streak: 4,
+            };
+            let json = serde_json::to_string(&s).unwrap();
+            assert_eq!(serde_json::from_str::<AzState>(&json).unwrap(), s, "{json}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //!   tokens.
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
+use lbscale_core::policy::AzState;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -17,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -51,6 +52,15 @@ const MIGRATIONS: &[&str] = &[
     CREATE TABLE leases (
         group_id TEXT PRIMARY KEY, holder TEXT NOT NULL, fence INTEGER NOT NULL,
         expires_ms INTEGER NOT NULL);
+    "#,
+    // 1 -> 2: the daemon's per-AZ policy state, so that a restarted daemon (or
+    // one that takes a group over) resumes a running cooldown or back-off.
+    // `holder` and `fence` are the daemon claim it was written under.
+    r#"
+    CREATE TABLE policy_state (
+        group_id TEXT NOT NULL, az TEXT NOT NULL, state TEXT NOT NULL,
+        holder TEXT NOT NULL, fence INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+        PRIMARY KEY (group_id, az));
     "#,
 ];
 
@@ -197,6 +207,25 @@ pub struct Event {
     pub az: Option<String>,
     pub kind: String,
     pub reason: String,
+}
+
+/// The lease by which a daemon claims a group for its evaluations (kept in the
+/// `leases` table next to the group's own lease, which workflows take).
+pub fn daemon_claim_key(group_id: &str) -> String {
+    format!("daemon/{group_id}")
+}
+
+/// One AZ's policy state as the daemon last persisted it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyStateRow {
+    pub group_id: String,
+    pub az: String,
+    pub state: AzState,
+    /// The daemon claim it was written under.
+    pub holder: String,
+    pub fence: i64,
+    /// Unix ms of the write.
+    pub updated_at: i64,
 }
 
 /// A held lease: act on the group only while it is valid, and pass `fence` with
@@ -597,20 +626,129 @@ impl Store {
         })
         .map(|v| v.unwrap_or(0) as u64)
     }
-    /// Deletes the group with its secret, lease and events (its nodes must be gone).
+    /// Deletes the group with its secret, leases (its own and the daemon's claim),
+    /// events and policy state (its nodes must be gone).
     pub fn delete_group(&self, id: &str) -> Result<()> {
+        let claim = daemon_claim_key(id);
         self.tx(|tx| {
             for sql in [
                 "DELETE FROM nodes WHERE group_id = ?1",
                 "DELETE FROM group_secrets WHERE group_id = ?1",
                 "DELETE FROM events WHERE group_id = ?1",
+                "DELETE FROM policy_state WHERE group_id = ?1",
                 "DELETE FROM leases WHERE group_id = ?1",
                 "DELETE FROM groups WHERE id = ?1",
             ] {
                 tx.execute(sql, params![id])?;
             }
+            tx.execute("DELETE FROM leases WHERE group_id = ?1", params![claim])?;
             Ok(())
         })
+    }
+
+    // --- policy state -----------------------------------------------------------
+
+    /// Persists one AZ's policy state under the daemon's claim on the group
+    /// (`claim` must be the lease [`daemon_claim_key`] of `group_id`). Refused with
+    /// [`StoreError::LeaseLost`] unless the claim is the current, unexpired one and
+    /// no newer claim (higher fence) wrote the row: a daemon that lost the group
+    /// must not overwrite what its successor decided. The checks and the write are
+    /// one transaction. A group that is gone gets nothing written (its deletion
+    /// removed its rows; a late writer must not bring one back).
+    pub fn put_policy_state(
+        &self,
+        claim: &Lease,
+        group_id: &str,
+        az: &str,
+        state: &AzState,
+    ) -> Result<()> {
+        assert_eq!(
+            claim.group_id,
+            daemon_claim_key(group_id),
+            "policy state is written under the group's daemon claim"
+        );
+        let json = serde_json::to_string(state).expect("policy state serialises");
+        let now = now_ms();
+        let lost = |detail: String| {
+            Err(StoreError::LeaseLost {
+                group: claim.group_id.clone(),
+                detail,
+            })
+        };
+        self.tx(|tx| {
+            let cur: Option<(String, i64, i64)> = tx
+                .query_row(
+                    "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
+                    params![claim.group_id],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .optional()?;
+            match cur {
+                Some((h, f, exp)) if h == claim.holder && f == claim.fence && exp > now => {}
+                Some((h, f, _)) => {
+                    return lost(format!(
+                        "policy state not written: {h} holds the claim (fence {f}, ours was {}), or it expired",
+                        claim.fence
+                    ))
+                }
+                None => return lost("policy state not written: the claim is gone".into()),
+            }
+            let exists: i64 = tx.query_row(
+                "SELECT count(*) FROM groups WHERE id = ?1",
+                params![group_id],
+                |r| r.get(0),
+            )?;
+            if exists == 0 {
+                return Ok(());
+            }
+            let stored: Option<i64> = tx
+                .query_row(
+                    "SELECT fence FROM policy_state WHERE group_id = ?1 AND az = ?2",
+                    params![group_id, az],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if let Some(f) = stored.filter(|f| *f > claim.fence) {
+                return lost(format!(
+                    "policy state not written: a newer claim (fence {f}) wrote it, ours is {}",
+                    claim.fence
+                ));
+            }
+            tx.execute(
+                "INSERT INTO policy_state (group_id, az, state, holder, fence, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (group_id, az) DO UPDATE SET state = excluded.state,
+                   holder = excluded.holder, fence = excluded.fence, updated_at = excluded.updated_at",
+                params![group_id, az, json, claim.holder, claim.fence, now],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// The group's persisted policy state, one row per AZ (by AZ name).
+    pub fn policy_states(&self, group_id: &str) -> Result<Vec<PolicyStateRow>> {
+        let rows: Vec<(String, String, String, i64, i64)> = self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT az, state, holder, fence, updated_at FROM policy_state
+                 WHERE group_id = ?1 ORDER BY az",
+            )?;
+            let rows = st.query_map(params![group_id], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })?;
+            rows.collect()
+        })?;
+        rows.into_iter()
+            .map(|(az, state, holder, fence, updated_at)| {
+                Ok(PolicyStateRow {
+                    group_id: group_id.to_string(),
+                    az,
+                    state: decode("policy state", &state)?,
+                    holder,
+                    fence,
+                    updated_at,
+                })
+            })
+            .collect()
     }
 
     pub fn insert_se_group(&self, id: &str, spec: &SeGroupSpec) -> Result<()> {
@@ -859,6 +997,19 @@ impl Store {
         })
     }
 
+    /// Gives up whatever lease `holder` has on `key`, without knowing its fence;
+    /// unlike acquiring it to learn the fence, this never creates a row (a group
+    /// that is gone keeps no lease).
+    pub fn release_lease_of(&self, key: &str, holder: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE leases SET expires_ms = 0 WHERE group_id = ?1 AND holder = ?2",
+                params![key, holder],
+            )
+        })?;
+        Ok(())
+    }
+
     /// Gives the lease up at once (only if still ours).
     pub fn release_lease(&self, lease: &Lease) -> Result<()> {
         self.with(|c| {
@@ -936,6 +1087,7 @@ impl Store {
             "addresses",
             "events",
             "leases",
+            "policy_state",
         ];
         if !TABLES.contains(&table) {
             return Err(StoreError::Sql(format!("no table {table:?}")));
@@ -958,6 +1110,7 @@ impl Store {
             ("nodes", "group_id"),
             ("events", "group_id"),
             ("leases", "group_id"),
+            ("policy_state", "group_id"),
             ("addresses", "owner"),
         ] {
             total += self.with(|c| {

@@ -289,6 +289,7 @@ provider "lbscale" {{
             "events",
             "addresses",
             "group_secrets",
+            "policy_state",
         ] {
             let n = store.count_rows(table).unwrap();
             assert_eq!(n, 0, "{n} row(s) left in {table} after destroy");
