@@ -260,7 +260,7 @@ impl Node {
             } else {
                 Transport::Tcp
             };
-            crate::scaleout::validate(v)?;
+            crate::scaleout::validate(v).map_err(Status::invalid_argument)?;
             let key = (v.port as u16, t);
             if let Some((_, _, other)) = desired.iter().find(|(k, _, _)| *k == key) {
                 return Err(Status::invalid_argument(format!(
@@ -563,7 +563,6 @@ impl Node {
             uptime_ms: self.started.elapsed().as_millis() as u64,
             forwarded,
             served_connections_total,
-            ..Default::default()
         }
     }
 }

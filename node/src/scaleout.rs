@@ -32,7 +32,11 @@
 //!   itself (every vserver, scaled out or not; HTTP counts connections, not
 //!   requests).
 //!
-//! UDP vservers are not forwarded: their primary serves every flow.
+//! UDP vservers are scaled out the same way per flow (a client address): the
+//! primary relays a forwarded flow's datagrams to the secondary from its own
+//! address, both ways; an unreachable secondary cannot be detected at a flow's
+//! first datagram, so there is no fallback (the flow ends on the ICMP error and the
+//! client's next datagram opens a new one).
 
 use std::collections::HashMap;
 use std::io;
@@ -45,7 +49,6 @@ use std::time::{Duration, Instant};
 use lbscale_proto::ScaleoutRole;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
 
 use crate::lb::Kind;
 use crate::metrics::ConnGuard;
@@ -149,7 +152,7 @@ impl Peer {
         }
     }
 
-    fn kill_token(&self) -> CancellationToken {
+    pub fn kill_token(&self) -> CancellationToken {
         self.kill.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -161,6 +164,27 @@ impl Peer {
     fn mark_unreachable(&self) {
         *self.retry_at.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(Instant::now() + PEER_RETRY);
+    }
+
+    /// The secondary's UDP address (see [`Peer::connect`]).
+    pub async fn resolve(&self) -> io::Result<SocketAddr> {
+        if let Ok(a) = self.address.parse::<SocketAddr>() {
+            return Ok(a);
+        }
+        if let Ok(ip) = self.address.parse::<IpAddr>() {
+            return Ok(SocketAddr::new(ip, self.port));
+        }
+        tokio::net::lookup_host((self.address.as_str(), self.port))
+            .await?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+    }
+
+    /// Counts one forwarded connection (or UDP flow) while the guard lives.
+    pub fn track(self: &Arc<Self>) -> ActiveGuard {
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+        self.active.fetch_add(1, Ordering::Relaxed);
+        ActiveGuard(self.clone())
     }
 
     /// The secondary's listener: `address` is an IP (or a name) listening on the
@@ -226,15 +250,11 @@ pub struct Scaleout {
 }
 
 /// Rejects a scale-out that cannot be applied: negative or non-finite shares, a
-/// secondary listed twice or without an address.
-pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), Status> {
+/// secondary listed twice, without an address, or that is this node (it would
+/// forward to itself without end).
+pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), String> {
     let Some(s) = &v.scaleout else { return Ok(()) };
-    let bad = |what: String| {
-        Err(Status::invalid_argument(format!(
-            "vserver {}: scaleout: {what}",
-            v.name
-        )))
-    };
+    let bad = |what: String| Err(format!("vserver {}: scaleout: {what}", v.name));
     if !s.primary_share.is_finite() || s.primary_share < 0.0 {
         return bad(format!("primary_share {} must be >= 0", s.primary_share));
     }
@@ -247,6 +267,15 @@ pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), Status> {
                 "secondary {}: share {} must be >= 0",
                 p.address, p.share
             ));
+        }
+        let own = SOURCE_IP.get().copied();
+        let is_self = match (p.address.parse::<IpAddr>(), p.address.parse::<SocketAddr>()) {
+            (Ok(ip), _) => Some(ip) == own,
+            (_, Ok(a)) => Some(a.ip()) == own && u32::from(a.port()) == v.port,
+            _ => false,
+        };
+        if is_self {
+            return bad(format!("secondary {} is this node", p.address));
         }
         if s.secondaries[..i].iter().any(|q| q.address == p.address) {
             return bad(format!("secondary {} is listed twice", p.address));
@@ -370,6 +399,11 @@ impl Scaleout {
         }
     }
 
+    /// Counts one connection (or UDP flow) served here.
+    pub fn count_served(&self) {
+        self.served.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Connections this node served itself.
     pub fn served(&self) -> u64 {
         self.served.load(Ordering::Relaxed)
@@ -397,7 +431,7 @@ impl Scaleout {
 }
 
 /// Counts a forwarded connection as active while alive.
-struct ActiveGuard(Arc<Peer>);
+pub struct ActiveGuard(Arc<Peer>);
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
@@ -416,7 +450,7 @@ pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
             Err(client) => client,
         },
     };
-    vs.scaleout.served.fetch_add(1, Ordering::Relaxed);
+    vs.scaleout.count_served();
     match vs.state().kind {
         Kind::Http => crate::http::serve_conn(client, from, vs).await,
         _ => crate::tcp::serve_conn(client, vs).await,
@@ -443,9 +477,7 @@ async fn forward(client: TcpStream, vs: &Vserver, peer: Arc<Peer>) -> Result<(),
     let _ = client.set_nodelay(true);
     let _ = up.set_nodelay(true);
     let kill = peer.kill_token();
-    peer.connections_total.fetch_add(1, Ordering::Relaxed);
-    peer.active.fetch_add(1, Ordering::Relaxed);
-    let _active = ActiveGuard(peer);
+    let _active = peer.track();
     tokio::select! {
         _ = crate::tcp::relay(client, up) => {}
         _ = kill.cancelled() => {}

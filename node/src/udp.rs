@@ -1,5 +1,7 @@
 //! UDP vserver: one flow per client address, relayed through a connected socket
-//! towards the chosen service; a flow ends after 30 s without a reply.
+//! towards the chosen service; a flow ends after 30 s without a reply. A
+//! scale-out primary relays a forwarded flow to its secondary instead (see
+//! `crate::scaleout`).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -17,7 +19,8 @@ const FLOW_IDLE: Duration = Duration::from_secs(30);
 struct Flow {
     up: Arc<UdpSocket>,
     dead: AtomicBool,
-    rt: Arc<crate::lb::ServiceRt>,
+    /// The service, when the flow is served here (none when forwarded).
+    rt: Option<Arc<crate::lb::ServiceRt>>,
 }
 
 pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
@@ -52,7 +55,9 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
             }
         };
         let _ = flow.up.send(&buf[..n]).await;
-        flow.rt.record_traffic(n as u64, 1);
+        if let Some(rt) = &flow.rt {
+            rt.record_traffic(n as u64, 1);
+        }
     }
 }
 
@@ -60,8 +65,21 @@ async fn open_flow(
     sock: &Arc<UdpSocket>,
     vs: &Arc<Vserver>,
     ip: IpAddr,
-    peer: SocketAddr,
+    client: SocketAddr,
 ) -> Option<Arc<Flow>> {
+    let forward = match vs.scaleout.route() {
+        crate::scaleout::Route::Forward(p) => match p.resolve().await {
+            Ok(a) => Some((p, a)),
+            Err(e) => {
+                tracing::warn!(secondary = %p.address, error = %e, "secondary unresolvable: serving on the primary");
+                None
+            }
+        },
+        crate::scaleout::Route::Local => None,
+    };
+    if let Some((peer, target)) = forward {
+        return open_forwarded_flow(sock, vs, ip, client, peer, target).await;
+    }
     let st = vs.state();
     let idx = st.pick(None)?;
     let rt = st.services[idx].rt.clone();
@@ -72,19 +90,12 @@ async fn open_flow(
             .ok()?
             .next()?,
     };
-    let bind_ip = if target.ip().is_loopback() || target.is_ipv4() == ip.is_ipv4() {
-        ip
-    } else if target.is_ipv4() {
-        IpAddr::from([0, 0, 0, 0])
-    } else {
-        IpAddr::from([0u16; 8])
-    };
-    let up = UdpSocket::bind((bind_ip, 0)).await.ok()?;
-    up.connect(target).await.ok()?;
+    vs.scaleout.count_served();
+    let up = connected_socket(ip, target).await?;
     let flow = Arc::new(Flow {
         up: Arc::new(up),
         dead: AtomicBool::new(false),
-        rt: rt.clone(),
+        rt: Some(rt.clone()),
     });
     let f2 = flow.clone();
     let sock = sock.clone();
@@ -102,7 +113,7 @@ async fn open_flow(
                     Ok(Ok(n)) => {
                         add_bytes(n);
                         rt.record_traffic(n as u64, 1);
-                        let _ = sock.send_to(&buf[..n], peer).await;
+                        let _ = sock.send_to(&buf[..n], client).await;
                     }
                     Ok(Err(_)) | Err(_) => break,
                 },
@@ -110,6 +121,63 @@ async fn open_flow(
         }
         f2.dead.store(true, Ordering::Relaxed);
         rt.active.fetch_sub(1, Ordering::Relaxed);
+    });
+    Some(flow)
+}
+
+/// A socket from the node's own address (its source NAT) connected to `target`.
+async fn connected_socket(ip: IpAddr, target: SocketAddr) -> Option<UdpSocket> {
+    let bind_ip = if target.ip().is_loopback() || target.is_ipv4() == ip.is_ipv4() {
+        ip
+    } else if target.is_ipv4() {
+        IpAddr::from([0, 0, 0, 0])
+    } else {
+        IpAddr::from([0u16; 8])
+    };
+    let up = UdpSocket::bind((bind_ip, 0)).await.ok()?;
+    up.connect(target).await.ok()?;
+    Some(up)
+}
+
+/// A flow the primary relays to a scale-out secondary: the secondary sees the
+/// primary's address as the client and serves the flow like any other.
+async fn open_forwarded_flow(
+    sock: &Arc<UdpSocket>,
+    vs: &Arc<Vserver>,
+    ip: IpAddr,
+    client: SocketAddr,
+    peer: Arc<crate::scaleout::Peer>,
+    target: SocketAddr,
+) -> Option<Arc<Flow>> {
+    let up = connected_socket(ip, target).await?;
+    let flow = Arc::new(Flow {
+        up: Arc::new(up),
+        dead: AtomicBool::new(false),
+        rt: None,
+    });
+    let f2 = flow.clone();
+    let sock = sock.clone();
+    let vs = vs.clone();
+    let kill = peer.kill_token();
+    let active = peer.track();
+    tokio::spawn(async move {
+        let _g = ConnGuard::new();
+        let _active = active;
+        let mut buf = vec![0u8; 65536];
+        loop {
+            tokio::select! {
+                _ = kill.cancelled() => break,
+                _ = vs.kill.cancelled() => break,
+                r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
+                    Ok(Ok(n)) => {
+                        add_bytes(n);
+                        let _ = sock.send_to(&buf[..n], client).await;
+                    }
+                    Ok(Err(_)) | Err(_) => break,
+                },
+            }
+        }
+        f2.dead.store(true, Ordering::Relaxed);
     });
     Some(flow)
 }

@@ -538,4 +538,94 @@ async fn invalid_scaleout_is_refused() {
         })
         .await;
     assert_eq!(r.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // The node itself as its own secondary would forward without end.
+    let so = primary(&[0.5, 0.5], &["127.86.4.1"], 0);
+    let r = cl
+        .configure(NodeConfig {
+            version: 3,
+            vservers: vec![vserver(
+                "tcp",
+                ServiceType::Tcp,
+                8080,
+                "127.86.4.100:9000",
+                Some(so),
+            )],
+        })
+        .await;
+    assert_eq!(r.unwrap_err().code(), tonic::Code::InvalidArgument);
+}
+
+/// UDP: the primary forwards flows (client addresses) by the shares too, and the
+/// backend sees the serving node's address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_flows_follow_the_shares() {
+    let nodes = ["127.86.5.1", "127.86.5.2", "127.86.5.3"];
+    let backend = tokio::net::UdpSocket::bind("127.86.5.100:5300")
+        .await
+        .unwrap();
+    let _echo = tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        while let Ok((_, from)) = backend.recv_from(&mut buf).await {
+            let _ = backend
+                .send_to(from.ip().to_string().as_bytes(), from)
+                .await;
+        }
+    });
+    let _procs: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| start_serve(&format!("udp-{i}"), ip, &["--health-interval-ms", "0"]))
+        .collect();
+    let shares = [0.2, 0.4, 0.4];
+    let vs = |so| {
+        vec![vserver(
+            "dns",
+            ServiceType::Udp,
+            5300,
+            "127.86.5.100:5300",
+            so,
+        )]
+    };
+    configure(nodes[0], 1, vs(Some(primary(&shares, &nodes[1..], 1000)))).await;
+    for ip in &nodes[1..] {
+        configure(ip, 1, vs(secondary())).await;
+    }
+    let n = 150;
+    let mut sources = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..n {
+        let c = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        c.connect("127.86.5.1:5300").await.unwrap();
+        let mut buf = [0u8; 64];
+        let mut got = None;
+        for _ in 0..3 {
+            c.send(b"q").await.unwrap();
+            if let Ok(Ok(k)) =
+                tokio::time::timeout(Duration::from_millis(500), c.recv(&mut buf)).await
+            {
+                got = Some(String::from_utf8_lossy(&buf[..k]).to_string());
+                break;
+            }
+        }
+        sources.push(got.expect("a UDP reply"));
+        clients.push(c); // keep the flow's client address taken
+    }
+    let counts = count(&sources);
+    eprintln!("{n} UDP flows: {counts:?}");
+    for (i, ip) in nodes.iter().enumerate() {
+        let got = counts.get(*ip).copied().unwrap_or(0) as f64;
+        assert!((got - shares[i] * n as f64).abs() <= 2.0, "{counts:?}");
+    }
+    let st = stats(nodes[0]).await;
+    assert_eq!(
+        st.served_connections_total.get("dns").copied(),
+        Some(counts.get(nodes[0]).copied().unwrap_or(0) as u64)
+    );
+    for ip in &nodes[1..] {
+        let f = st.forwarded.iter().find(|f| f.peer == *ip).unwrap();
+        assert_eq!(
+            f.connections_total,
+            counts.get(*ip).copied().unwrap_or(0) as u64
+        );
+    }
 }
