@@ -1,8 +1,9 @@
 //! One group's evaluation: sample, step the policy per AZ, run the workflow.
 
-use crate::metrics::{AzStatus, GroupStatus, SampleOut};
+use crate::metrics::{AzStatus, GroupStatus, ResumeWait, SampleOut};
+use crate::resume::{restore_az_state, wait_ends_at, ResumeBackoff};
 use crate::Shared;
-use lbscale_core::duration::parse_duration;
+use lbscale_core::duration::{format_as_seconds, parse_duration};
 use lbscale_core::policy::{
     self, Action, AzState, Decision, EventKind, Metric, Observation, Phase, PhaseKind,
     PolicyConfig, PolicySpec, ProvisionOutcome, Sample,
@@ -10,7 +11,9 @@ use lbscale_core::policy::{
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::nodeapi::NodeClient;
 use lbscale_engine::reconcile::{GroupView, KeptLease};
-use lbscale_engine::store::{now_ms, NodeRow, NodeState, Row, Store, StoreError};
+use lbscale_engine::store::{
+    daemon_claim_key, now_ms, NodeRow, NodeState, PolicyStateRow, Row, Store, StoreError,
+};
 use lbscale_proto::NodeStats;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -38,6 +41,8 @@ enum Outcome {
 struct AzRuntime {
     state: AzState,
     outcome: Option<Outcome>,
+    /// What the store holds for this AZ (written by this daemon, or restored).
+    persisted: Option<AzState>,
 }
 
 struct CachedClient {
@@ -45,15 +50,21 @@ struct CachedClient {
     client: NodeClient,
 }
 
-/// The daemon's memory of one group: the policy state of each AZ (not persisted;
-/// see the crate docs) and a connection to each node's management API.
+/// The daemon's memory of one group: the policy state of each AZ (persisted in
+/// the store after every step that changes it; see the crate docs) and a
+/// connection to each node's management API.
 pub struct GroupRuntime {
     azs: BTreeMap<String, AzRuntime>,
+    /// AZ states read from the store at the last resume, taken up by each AZ at
+    /// its first step after it.
+    restored: BTreeMap<String, PolicyStateRow>,
     clients: HashMap<String, CachedClient>,
     last_eval_ms: i64,
     /// Whether this daemon has reconciled the group once since it took it
     /// (finishing what a crashed holder left half-done).
     resumed: bool,
+    /// Failed resumes in a row and when the next one is due.
+    resume_backoff: ResumeBackoff,
 }
 
 impl Default for GroupRuntime {
@@ -66,9 +77,11 @@ impl GroupRuntime {
     pub fn new() -> GroupRuntime {
         GroupRuntime {
             azs: BTreeMap::new(),
+            restored: BTreeMap::new(),
             clients: HashMap::new(),
             last_eval_ms: 0,
             resumed: false,
+            resume_backoff: ResumeBackoff::default(),
         }
     }
 
@@ -97,25 +110,17 @@ pub fn initial_status(row: &Row<GroupSpec>) -> GroupStatus {
         in_flight: None,
         skipped_for: None,
         last_error: None,
+        resume_backoff: None,
         azs: Vec::new(),
     }
 }
 
-fn ownership_key(group_id: &str) -> String {
-    format!("daemon/{group_id}")
-}
-
 /// Gives up this daemon's claim on a group (shutdown, group gone).
 pub fn release_ownership(shared: &Shared, group_id: &str) {
-    let key = ownership_key(group_id);
-    // Taking it for a moment yields the current fence, which release needs.
-    if let Ok(l) = shared
+    let _ = shared
         .engine
         .store
-        .acquire_lease(&key, &shared.holder, Duration::from_millis(1))
-    {
-        let _ = shared.engine.store.release_lease(&l);
-    }
+        .release_lease_of(&daemon_claim_key(group_id), &shared.holder);
 }
 
 /// The group's policy as the core validates it: the same functions as
@@ -304,16 +309,18 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     let own_ttl = claim_ttl(interval);
     // Renewed for as long as this evaluation (and any workflow in it) runs, so
     // that a daemon that dies loses the group one claim TTL later, not minutes.
-    let _claim = match store.acquire_lease(&ownership_key(&id), &shared.holder, own_ttl) {
+    let claim = match store.acquire_lease(&daemon_claim_key(&id), &shared.holder, own_ttl) {
         Ok(l) => KeptLease::keep(store.clone(), l, own_ttl),
         Err(StoreError::LeaseHeld { holder, .. }) => {
             if !rt.azs.is_empty() {
                 tracing::info!(group = %name, owner = %holder, "another daemon evaluates this group; leaving it");
             }
-            // Start from a clean slate if this daemon takes the group over later.
+            // Start from the store if this daemon takes the group over later.
             rt.azs.clear();
+            rt.restored.clear();
             rt.clients.clear();
             rt.resumed = false;
+            rt.resume_backoff = ResumeBackoff::default();
             shared.update_status(&id, |s| {
                 s.owner = holder;
                 s.azs.clear();
@@ -343,7 +350,9 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     //     the store shows work left half-done (a holder that crashed mid-workflow:
     //     a node in a transient state, a member whose process is gone), the
     //     engine's level-triggered reconcile finishes it before anything is
-    //     decided. It leaves a count within min..max as it is.
+    //     decided. It leaves a count within min..max as it is. A resume that
+    //     fails is retried after a back-off, not at every interval; nothing is
+    //     decided meanwhile.
     let leftover = if rt.resumed {
         let view = match shared.engine.group_view(&id) {
             Ok(Some(v)) => v,
@@ -357,7 +366,18 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     } else {
         Some("first evaluation by this daemon".to_string())
     };
+    if leftover.is_none() {
+        rt.resume_backoff = rt.resume_backoff.succeeded();
+    }
     if let Some(why) = leftover {
+        if !rt.resume_backoff.due(now) {
+            tracing::debug!(group = %name, retry_at_ms = rt.resume_backoff.retry_at_ms, "a failed resume waits for its retry");
+            shared.update_status(&id, |s| {
+                s.owner = "self".into();
+                s.skipped_for = None;
+            });
+            return;
+        }
         tracing::info!(group = %name, why = %why, "resuming: reconciling the group before deciding");
         shared.update_status(&id, |s| s.in_flight = Some("resume".into()));
         let started = Instant::now();
@@ -365,17 +385,60 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
         shared.metrics.workflow("resume", started.elapsed());
         shared.update_status(&id, |s| s.in_flight = None);
         if let Err(e) = r {
+            let failed_at = now_ms();
+            let b = rt.resume_backoff.failed(failed_at);
+            rt.resume_backoff = b;
+            let wait = format_as_seconds(Duration::from_millis(
+                (b.retry_at_ms - failed_at).max(0) as u64
+            ));
+            shared.metrics.resume_failed(name);
+            let _ = store.record_event(
+                &id,
+                None,
+                "resume_failed",
+                &format!(
+                    "resuming ({why}) failed {} time(s) in a row: {e}; retrying in {wait}",
+                    b.failures
+                ),
+            );
+            shared.update_status(&id, |s| {
+                s.resume_backoff = Some(ResumeWait {
+                    failures: b.failures,
+                    retry_at_ms: b.retry_at_ms,
+                    error: e.to_string(),
+                })
+            });
             return fail(
                 &shared,
                 &id,
                 name,
                 "resume the group's unfinished work",
-                e.to_string(),
+                format!("{e} (retrying in {wait})"),
             );
         }
+        rt.resume_backoff = rt.resume_backoff.succeeded();
         rt.resumed = true;
-        // What the policy knew of the AZs predates the repair: start from the store.
+        // What the policy knew of the AZs predates the repair: start from what
+        // the store persisted, against the nodes as the repair left them.
         rt.azs.clear();
+        match store.policy_states(&id) {
+            Ok(rows) => rt.restored = rows.into_iter().map(|r| (r.az.clone(), r)).collect(),
+            Err(e @ StoreError::Decode { .. }) => {
+                tracing::warn!(group = %name, error = %e, "the persisted policy state cannot be read; starting each AZ afresh");
+                rt.restored.clear();
+            }
+            Err(e) => {
+                // Resume again (it is idempotent) and read it then.
+                rt.resumed = false;
+                return fail(
+                    &shared,
+                    &id,
+                    name,
+                    "read the group's policy state",
+                    e.to_string(),
+                );
+            }
+        }
     }
 
     // 4. Observe.
@@ -440,9 +503,27 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
         let sample = mean(&answered);
         shared.metrics.set_az(name, az, &by_state, sample.as_ref());
 
-        let azrt = rt.azs.entry(az.clone()).or_insert_with(|| AzRuntime {
-            state: AzState::new(serving),
-            outcome: None,
+        let restored = if rt.azs.contains_key(az) {
+            None
+        } else {
+            rt.restored.remove(az)
+        };
+        let azrt = rt.azs.entry(az.clone()).or_insert_with(|| match restored {
+            Some(row) => {
+                let state =
+                    restore_az_state(&cfg, &row.state, row.updated_at, now, serving, provisioned);
+                tracing::info!(group = %name, az = %az, persisted = ?row.state.phase, restored = ?state.phase, "resuming the AZ's persisted policy state");
+                AzRuntime {
+                    state,
+                    outcome: None,
+                    persisted: Some(row.state),
+                }
+            }
+            None => AzRuntime {
+                state: AzState::new(serving),
+                outcome: None,
+                persisted: None,
+            },
         });
         // Level-triggered: while idle, the policy counts what the store shows
         // (Terraform or an operator may have changed it since).
@@ -451,8 +532,24 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             azrt.state.provisioned = provisioned;
         }
         let obs = observation(sample.as_ref(), azrt.outcome);
+        let before = azrt.state;
         let (next, out) = policy::step(&cfg, &azrt.state, &obs, now as u64);
         azrt.state = next;
+        // Persisted before any workflow runs, so that a daemon killed in the
+        // middle of one leaves the workflow's phase behind (see
+        // `restore_az_state`). Refused once the claim is lost: then this daemon
+        // must not act on the group either.
+        if let Err(e) = persist(store, claim.lease(), &id, az, azrt) {
+            // As if this step had not run: the next evaluation takes it again.
+            azrt.state = before;
+            return fail(
+                &shared,
+                &id,
+                name,
+                "persist the policy state",
+                e.to_string(),
+            );
+        }
         if matches!(
             azrt.state.phase,
             Phase::Evaluating { .. } | Phase::Cooldown { .. }
@@ -513,6 +610,16 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             }
         }
         if ran_workflow {
+            // The outcome (cooldown, provisioning back-off, back to evaluating).
+            if let Err(e) = persist(store, claim.lease(), &id, az, azrt) {
+                fail(
+                    &shared,
+                    &id,
+                    name,
+                    "persist the policy state",
+                    e.to_string(),
+                );
+            }
             // Show what the workflow left, not what the tick started from.
             if let Ok(Some(after)) = shared.engine.group_view(&id) {
                 by_state = nodes_by_state(&after, az);
@@ -524,9 +631,27 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     shared.update_status(&id, |s| {
         s.owner = "self".into();
         s.skipped_for = None;
+        s.resume_backoff = None;
         s.last_evaluated_ms = Some(now);
         s.azs = statuses;
     });
+}
+
+/// Writes the AZ's policy state under the daemon's claim on the group, if it
+/// changed since the last write.
+fn persist(
+    store: &Store,
+    claim: &lbscale_engine::store::Lease,
+    group_id: &str,
+    az: &str,
+    azrt: &mut AzRuntime,
+) -> Result<(), StoreError> {
+    if azrt.persisted == Some(azrt.state) {
+        return Ok(());
+    }
+    store.put_policy_state(claim, group_id, az, &azrt.state)?;
+    azrt.persisted = Some(azrt.state);
+    Ok(())
 }
 
 fn nodes_by_state(view: &lbscale_engine::reconcile::GroupView, az: &str) -> BTreeMap<String, u64> {
@@ -555,6 +680,7 @@ fn az_status(
             .map(|m| (m.name(), state.out_streak[m.index()]))
             .collect(),
         in_streak: state.in_streak,
+        wait_until_ms: wait_ends_at(&state.phase),
     }
 }
 

@@ -21,10 +21,16 @@
 //!    shows work left half-done (a node provisioning, joining, draining or
 //!    deprovisioning, a member whose process is gone, an active node not
 //!    registered), it runs the engine's level-triggered `reconcile_group`, which
-//!    finishes each step where a crashed holder stopped, before deciding anything;
+//!    finishes each step where a crashed holder stopped, before deciding anything.
+//!    A resume that fails is retried after a back-off (30 s doubling to 10 min,
+//!    [`resume::ResumeBackoff`]), shown in `/v1/groups` and as `resume_failed`
+//!    events; after a successful one, each AZ starts from the policy state that
+//!    the store persisted ([`resume::restore_az_state`]);
 //! 4. samples every serving node through its management API and takes each AZ's
-//!    mean; feeds it to [`lbscale_core::policy::step`] with the AZ's state, which
-//!    this daemon keeps in memory;
+//!    mean; feeds it to [`lbscale_core::policy::step`] with the AZ's state, and
+//!    persists the new state (table `policy_state`, under the claim's fencing
+//!    token) before acting on it: a restarted daemon, or one that takes the group
+//!    over, keeps a running cooldown and a provisioning back-off;
 //! 5. runs the engine's scale-out / scale-in workflow when the step says so (the
 //!    workflow takes the group's lease itself: short, renewed while it runs,
 //!    checked before every side effect) and reports its outcome back to the
@@ -33,6 +39,7 @@
 pub mod group;
 pub mod http;
 pub mod metrics;
+pub mod resume;
 
 use lbscale_engine::cloud::local::LocalSettings;
 use lbscale_engine::Engine;

@@ -19,6 +19,8 @@ struct Inner {
     decisions: BTreeMap<(String, String, &'static str), u64>,
     /// group -> errors (store, node API, workflow failures).
     errors: BTreeMap<String, u64>,
+    /// group -> failed resumes (the reconcile before deciding).
+    resume_failures: BTreeMap<String, u64>,
     /// step kind -> (sum of seconds, count).
     workflows: BTreeMap<&'static str, (f64, u64)>,
     /// Evaluations run (all groups).
@@ -79,6 +81,10 @@ impl Metrics {
         self.with(|m| *m.errors.entry(group.to_string()).or_default() += 1)
     }
 
+    pub fn resume_failed(&self, group: &str) {
+        self.with(|m| *m.resume_failures.entry(group.to_string()).or_default() += 1)
+    }
+
     pub fn workflow(&self, step: &'static str, took: Duration) {
         self.with(|m| {
             let e = m.workflows.entry(step).or_default();
@@ -94,6 +100,7 @@ impl Metrics {
             m.samples.retain(|(g, _, _), _| g != group);
             m.decisions.retain(|(g, _, _), _| g != group);
             m.errors.remove(group);
+            m.resume_failures.remove(group);
         })
     }
 
@@ -145,6 +152,17 @@ impl Metrics {
             );
             for (g, n) in &m.errors {
                 let _ = writeln!(out, "lbscale_errors_total{{group=\"{}\"}} {n}", esc(g));
+            }
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_resume_failures_total Failed resumes of a group's unfinished work (retried after a back-off).\n# TYPE lbscale_resume_failures_total counter"
+            );
+            for (g, n) in &m.resume_failures {
+                let _ = writeln!(
+                    out,
+                    "lbscale_resume_failures_total{{group=\"{}\"}} {n}",
+                    esc(g)
+                );
             }
             let _ = writeln!(
                 out,
@@ -218,6 +236,20 @@ pub struct AzStatus {
     pub out_streak: BTreeMap<&'static str, u32>,
     /// Consecutive samples with every metric below its min.
     pub in_streak: u32,
+    /// Unix ms when the phase's wait ends (cooldown, provisioning back-off, DNS
+    /// TTL, drain timeout); absent when the phase waits for nothing timed.
+    pub wait_until_ms: Option<u64>,
+}
+
+/// A group's unfinished work that this daemon failed to resume and retries later.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResumeWait {
+    /// Failed resumes in a row.
+    pub failures: u32,
+    /// Unix ms of the next try.
+    pub retry_at_ms: i64,
+    /// Why the last one failed.
+    pub error: String,
 }
 
 /// One group as `/v1/groups` shows it.
@@ -237,5 +269,7 @@ pub struct GroupStatus {
     /// Who held the group's lease at the last tick, when it was skipped for that.
     pub skipped_for: Option<String>,
     pub last_error: Option<String>,
+    /// While a failed resume waits for its retry: no AZ is evaluated meanwhile.
+    pub resume_backoff: Option<ResumeWait>,
     pub azs: Vec<AzStatus>,
 }
