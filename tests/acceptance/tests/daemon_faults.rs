@@ -31,6 +31,10 @@ const SIGABRT: i32 = 6;
 /// Scale out above 8 Mbps per node (the load generator), scale in below 1 Mbps
 /// (idle). One AZ, min 1, max 2.
 fn config(name: &str, backend: u16) -> String {
+    config_with(name, backend, 2, "2s")
+}
+
+fn config_with(name: &str, backend: u16, max_nodes: u32, cooldown: &str) -> String {
     format!(
         r#"
 resource "lbscale_traffic_distributor" "d" {{
@@ -47,10 +51,10 @@ resource "lbscale_autoscale_group" "g" {{
   availability_zones     = ["az1"]
   traffic_distributor_id = lbscale_traffic_distributor.d.id
   min_nodes              = 1
-  max_nodes              = 2
+  max_nodes              = {max_nodes}
   stats_interval         = "1s"
   watch_time             = "2s"
-  cooldown               = "2s"
+  cooldown               = "{cooldown}"
   drain_timeout          = "2s"
   threshold {{
     metric = "throughput"
@@ -317,7 +321,11 @@ fn wait_settled(
 }
 
 fn apply_group(ws: &mut Workspace, name: &str, backend: u16) -> (String, String) {
-    ws.write(&config(name, backend));
+    apply_config(ws, name, &config(name, backend))
+}
+
+fn apply_config(ws: &mut Workspace, name: &str, config: &str) -> (String, String) {
+    ws.write(config);
     ws.apply();
     let dns = ws.outputs()["dns"]["value"].as_str().unwrap().to_string();
     let first = dig(&dns, &format!("{name}.lbscale.test"));
@@ -459,6 +467,92 @@ fn a_daemon_killed_during_scale_in_is_resumed_by_the_next() {
     ws.assert_nothing_left(&[]);
     eprintln!(
         "MEASURE scale-in fault points: {} s",
+        t0.elapsed().as_secs()
+    );
+}
+
+/// Issue 4: the per-AZ policy state is in the store, so a daemon killed during a
+/// cooldown is followed by one that keeps it. The load stays above max
+/// throughout: a daemon that started the AZ afresh would scale out again a
+/// watch time after taking the group over; this one waits for the persisted end
+/// of the cooldown, then scales out.
+#[test]
+fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
+    let t0 = Instant::now();
+    let backend = big_backend();
+    let mut ws = Workspace::new("faults-cooldown", 125);
+    let (_dns, first_ip) = apply_config(&mut ws, "fcool", &config_with("fcool", backend, 3, "20s"));
+    let domain = "fcool.lbscale.test";
+    let group_id = ws.store().group_by_name("fcool").unwrap().unwrap().id;
+
+    let first = Daemon::start(&ws, "first", None);
+    let load = Load::start(&first_ip, domain);
+    wait_for("the first scale-out", BOUND, || {
+        (first.workflows("scale_out") >= 1.0).then_some(())
+    });
+    // The policy state as the store holds it: `{"phase": {"kind": "cooldown",
+    // "until": ms}, ...}`.
+    let until = wait_for("the cooldown in the store", BOUND, || {
+        let row = ws
+            .store()
+            .policy_states(&group_id)
+            .unwrap()
+            .into_iter()
+            .find(|r| r.az == "az1")?;
+        let state = serde_json::to_value(row.state).unwrap();
+        (state["phase"]["kind"] == "cooldown")
+            .then(|| state["phase"]["until"].as_u64())
+            .flatten()
+    });
+    drop(first); // SIGKILL
+    assert_eq!(rows(&ws, "fcool").len(), 2, "two nodes after the scale-out");
+
+    // The second daemon takes the group over once the dead one's claim expires,
+    // within the cooldown, and shows the persisted end of it.
+    let second = Daemon::start(&ws, "second", None);
+    let shown = wait_for(
+        "the second daemon to take the group over in the cooldown",
+        BOUND,
+        || {
+            let (_, body) = daemon_get(second.port, "/v1/groups").ok()?;
+            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let g = &v["groups"][0];
+            (g["owner"] == "self" && g["azs"][0]["phase"] == "cooldown")
+                .then(|| g["azs"][0]["wait_until_ms"].as_u64())
+                .flatten()
+        },
+    );
+    assert_eq!(shown, until, "the persisted cooldown, not a new one");
+
+    // Load above max all along: the next scale-out comes, but only after the
+    // cooldown that the first daemon started.
+    wait_for("the scale-out after the cooldown", BOUND, || {
+        (second.workflows("scale_out") >= 1.0).then_some(())
+    });
+    load.stop();
+    let outs: Vec<i64> = events(&ws, "fcool")
+        .into_iter()
+        .filter(|e| e.kind == "scale_out")
+        .map(|e| e.time_ms)
+        .collect();
+    assert_eq!(outs.len(), 2, "two scale-outs: {outs:?}");
+    assert!(
+        outs[1] >= until as i64,
+        "the second scale-out at {} ms came before the persisted cooldown ended at {until} ms",
+        outs[1]
+    );
+    assert!(
+        second
+            .logs()
+            .contains("resuming the AZ's persisted policy state"),
+        "{}",
+        second.logs()
+    );
+    second.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+    eprintln!(
+        "MEASURE cooldown across a restart: {} s",
         t0.elapsed().as_secs()
     );
 }
