@@ -82,7 +82,9 @@ impl Drop for RespGuard {
         }
         if self.done {
             if let Some(s) = self.sender.take() {
-                if !s.is_closed() && !self.rt.is_draining() {
+                // Not back to the pool of a service that went DOWN meanwhile (its
+                // pool was emptied then): it must be reached afresh when UP again.
+                if !s.is_closed() && !self.rt.is_draining() && self.rt.is_up() {
                     if let Ok(mut pool) = self.rt.pool.lock() {
                         if pool.len() < MAX_IDLE_PER_SERVICE {
                             pool.push(s);

@@ -24,13 +24,26 @@
 //!
 //! # Slow-start caps and where the leftover goes
 //!
-//! A capped service takes a request only when its token bucket allows it. In round
-//! robin the main cursor offers each service its weighted share; a share that a
-//! capped (or DOWN, or excluded) service cannot take goes to the *uncapped*
-//! services through a second weighted cursor, so the leftover is split by weight
-//! among the existing services, as the engine plans it (core `slowstart`). Only when
-//! no uncapped service is available do capped services with tokens left take it,
-//! and with no token anywhere the caps are ignored rather than refusing.
+//! A capped service takes a request only when its token bucket allows it; a cap of
+//! 0 holds it at no new requests. Caps change while the vserver runs (the node's
+//! own slow start, `crate::slowstart`, sets them every tick), so they are atomics in
+//! the snapshot. In round robin the main cursor offers each service its weighted
+//! share; a share that a capped (or DOWN, or excluded) service cannot take goes to
+//! the *uncapped* services through a second weighted cursor, so the leftover is
+//! split by weight among the existing services, as core's `slowstart` model plans
+//! it. Only when no uncapped service is available do capped services with tokens
+//! left take it, and with no token anywhere the caps are ignored rather than
+//! refusing.
+//!
+//! # Ramp peers
+//!
+//! While a joining node ramps against the nodes that served the vserver before it
+//! (`crate::slowstart`), those nodes are entries too ([`SvcEntry::peer`]): they
+//! stand for the existing services, so they take only what the node's own services
+//! cannot (they are never offered a share of their own, and they are the overflow's
+//! uncapped services, by weight, i.e. round robin among equal peers). The
+//! load-based methods choose among the own services and use a peer only when none
+//! of them may take the request.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -318,8 +331,8 @@ impl ServiceRt {
     /// scheduling jitter does not cost the service part of its rate; a service
     /// kept busy receives exactly `cap_per_second` in the long run.
     fn try_acquire(&self, cap_per_second: f64) -> bool {
-        if cap_per_second <= 0.0 {
-            return true;
+        if cap_per_second.is_nan() || cap_per_second <= 0.0 {
+            return false;
         }
         let interval = (1e9 / cap_per_second).max(1.0) as u64;
         let tau = interval.max(100_000_000);
@@ -341,17 +354,63 @@ impl ServiceRt {
     }
 }
 
+/// `cap` value meaning "no cap".
+const NO_CAP: u64 = u64::MAX;
+
 pub struct SvcEntry {
     pub rt: Arc<ServiceRt>,
     pub weight: u32,
     pub enabled: bool,
-    pub cap: f64,
+    /// `cap_per_second` from the configuration: it overrides the node's slow start.
+    pub explicit_cap: Option<f64>,
+    /// CUSTOMLOAD value from the configuration; it overrides the load file's.
+    pub custom_load: Option<f64>,
+    /// A ramp peer: another node standing for the existing services (see the
+    /// module doc); it takes only what the own services cannot.
+    pub peer: bool,
+    /// Cap in force, req/s (f64 bits, [`NO_CAP`] for none).
+    cap: AtomicU64,
 }
 
 impl SvcEntry {
+    pub fn new(rt: Arc<ServiceRt>, weight: u32, enabled: bool) -> Self {
+        SvcEntry {
+            rt,
+            weight,
+            enabled,
+            explicit_cap: None,
+            custom_load: None,
+            peer: false,
+            cap: AtomicU64::new(NO_CAP),
+        }
+    }
+
     #[inline]
-    fn usable(&self) -> bool {
+    pub fn usable(&self) -> bool {
         self.enabled && self.rt.is_up()
+    }
+
+    /// The cap in force, req/s.
+    #[inline]
+    pub fn cap(&self) -> Option<f64> {
+        match self.cap.load(Ordering::Relaxed) {
+            NO_CAP => None,
+            bits => Some(f64::from_bits(bits)),
+        }
+    }
+
+    pub fn set_cap(&self, cap: Option<f64>) {
+        let bits = match cap {
+            Some(c) if c.is_finite() => c.max(0.0).to_bits(),
+            _ => NO_CAP,
+        };
+        self.cap.store(bits, Ordering::Relaxed);
+    }
+
+    /// Whether the service may take one more request now (takes a token if capped).
+    #[inline]
+    fn admits(&self) -> bool {
+        self.cap().is_none_or(|c| self.rt.try_acquire(c))
     }
 }
 
@@ -361,19 +420,20 @@ pub struct VsState {
     pub kind: Kind,
     pub method: Method,
     pub services: Vec<SvcEntry>,
-    /// Smooth weighted round-robin order over enabled services (indices).
+    /// Smooth weighted round-robin order over enabled own services (indices).
     schedule: Vec<u32>,
+    /// The same over enabled own services and ramp peers: the overflow's order.
+    overflow_schedule: Vec<u32>,
     /// Offers each service its share.
     cursor: AtomicUsize,
     /// Hands out the shares that capped/DOWN services could not take.
     overflow: AtomicUsize,
-    any_cap: bool,
 }
 
 impl VsState {
     pub fn new(name: String, kind: Kind, method: Method, services: Vec<SvcEntry>) -> Self {
-        let schedule = build_schedule(&services);
-        let any_cap = services.iter().any(|e| e.cap > 0.0);
+        let schedule = build_schedule(&services, false);
+        let overflow_schedule = build_schedule(&services, true);
         for e in &services {
             e.rt.track_traffic
                 .store(method.tracks_traffic(), Ordering::Relaxed);
@@ -384,9 +444,9 @@ impl VsState {
             method,
             services,
             schedule,
+            overflow_schedule,
             cursor: AtomicUsize::new(0),
             overflow: AtomicUsize::new(0),
-            any_cap,
         }
     }
 
@@ -408,24 +468,30 @@ impl VsState {
     fn pick_rr(&self, exclude: Option<usize>) -> Option<usize> {
         let n = self.schedule.len();
         if n == 0 {
-            return None;
+            return self.overflow_pick(exclude);
         }
         let pos = self.cursor.fetch_add(1, Ordering::Relaxed);
         let idx = self.schedule[pos % n] as usize;
         let e = &self.services[idx];
-        if Some(idx) != exclude && e.usable() && (!self.any_cap || e.rt.try_acquire(e.cap)) {
+        if Some(idx) != exclude && e.usable() && e.admits() {
             return Some(idx);
         }
-        // The offered service cannot take it: the next uncapped one by weight.
+        self.overflow_pick(exclude)
+            .or_else(|| self.capped_fallback(exclude))
+    }
+
+    /// The next uncapped own service or ramp peer, by weight.
+    fn overflow_pick(&self, exclude: Option<usize>) -> Option<usize> {
+        let n = self.overflow_schedule.len();
         for _ in 0..n {
             let p = self.overflow.fetch_add(1, Ordering::Relaxed);
-            let j = self.schedule[p % n] as usize;
+            let j = self.overflow_schedule[p % n] as usize;
             let e = &self.services[j];
-            if Some(j) != exclude && e.usable() && e.cap <= 0.0 {
+            if Some(j) != exclude && e.usable() && e.cap().is_none() {
                 return Some(j);
             }
         }
-        self.capped_fallback(exclude)
+        None
     }
 
     /// Only capped services are left: one with a token, else any (caps ignored).
@@ -436,10 +502,10 @@ impl VsState {
         for k in 0..n {
             let j = (rot + k) % n;
             let e = &self.services[j];
-            if Some(j) == exclude || !e.usable() {
+            if Some(j) == exclude || !e.usable() || e.peer {
                 continue;
             }
-            if e.rt.try_acquire(e.cap) {
+            if e.admits() {
                 return Some(j);
             }
             fallback.get_or_insert(j);
@@ -451,7 +517,7 @@ impl VsState {
         let n = self.services.len();
         let slen = self.schedule.len();
         if n == 0 || slen == 0 {
-            return None;
+            return self.overflow_pick(exclude);
         }
         // Ties go to the service the weighted schedule offers next.
         let start = self.schedule[self.cursor.fetch_add(1, Ordering::Relaxed) % slen] as usize;
@@ -463,7 +529,11 @@ impl VsState {
             for k in 0..n {
                 let idx = (start + k) % n;
                 let e = &self.services[idx];
-                if Some(idx) == exclude || !e.usable() || (idx < 128 && skipped & (1 << idx) != 0) {
+                if Some(idx) == exclude
+                    || e.peer
+                    || !e.usable()
+                    || (idx < 128 && skipped & (1 << idx) != 0)
+                {
                     continue;
                 }
                 let score = e.rt.load(method, now) / e.weight.max(1) as f64;
@@ -472,15 +542,15 @@ impl VsState {
                     _ => best = Some((idx, score)),
                 }
             }
-            let (idx, _) = best?;
+            let Some((idx, _)) = best else { break };
             let e = &self.services[idx];
-            if e.cap <= 0.0 || idx >= 128 || e.rt.try_acquire(e.cap) {
+            if idx >= 128 || e.admits() {
                 return Some(idx);
             }
             fallback.get_or_insert(idx);
             skipped |= 1 << idx;
         }
-        fallback
+        self.overflow_pick(exclude).or(fallback)
     }
 }
 
@@ -492,13 +562,14 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-/// nginx-style smooth weighted round robin, unrolled into a schedule.
-fn build_schedule(services: &[SvcEntry]) -> Vec<u32> {
+/// nginx-style smooth weighted round robin, unrolled into a schedule; ramp peers
+/// only in the overflow's.
+fn build_schedule(services: &[SvcEntry], with_peers: bool) -> Vec<u32> {
     const MAX_LEN: u64 = 4096;
     let mut ws: Vec<(usize, u64)> = services
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.enabled)
+        .filter(|(_, e)| e.enabled && (with_peers || !e.peer))
         .map(|(i, e)| (i, e.weight.max(1) as u64))
         .collect();
     if ws.is_empty() {
@@ -535,13 +606,15 @@ fn build_schedule(services: &[SvcEntry]) -> Vec<u32> {
 mod tests {
     use super::*;
 
+    /// `cap` 0.0: no cap (these tests were written before caps of 0 existed).
     fn entry(name: &str, weight: u32, enabled: bool, cap: f64) -> SvcEntry {
-        SvcEntry {
-            rt: Arc::new(ServiceRt::new(name, "127.0.0.1", 1)),
+        let e = SvcEntry::new(
+            Arc::new(ServiceRt::new(name, "127.0.0.1", 1)),
             weight,
             enabled,
-            cap,
-        }
+        );
+        e.set_cap((cap > 0.0).then_some(cap));
+        e
     }
 
     #[test]
@@ -665,6 +738,37 @@ mod tests {
             n[1].abs_diff(3 * n[0]) <= 8,
             "weights 1:3 for the leftover: {n:?}"
         );
+    }
+
+    #[test]
+    fn a_cap_of_zero_holds_the_service_and_peers_take_only_the_overflow() {
+        for m in [Method::RoundRobin, Method::LeastConnection] {
+            let mut entries = vec![
+                entry("own1", 1, true, 0.0),
+                entry("own2", 1, true, 0.0),
+                entry("peer:a", 2, true, 0.0),
+                entry("peer:b", 2, true, 0.0),
+            ];
+            entries[2].peer = true;
+            entries[3].peer = true;
+            let vs = vs_of(m, entries);
+            // Uncapped own services take everything: peers get nothing.
+            for _ in 0..40 {
+                assert!(vs.pick(None).unwrap() < 2, "{m:?}: a peer got a request");
+            }
+            // Held at 0: the peers take it, round robin.
+            vs.services[0].set_cap(Some(0.0));
+            vs.services[1].set_cap(Some(0.0));
+            let mut n = [0u32; 4];
+            for _ in 0..40 {
+                n[vs.pick(None).unwrap()] += 1;
+            }
+            assert_eq!(n, [0, 0, 20, 20], "{m:?}");
+            // Peers gone (DOWN): the caps are ignored rather than refusing.
+            vs.services[2].rt.set_up(false);
+            vs.services[3].rt.set_up(false);
+            assert!(vs.pick(None).unwrap() < 2, "{m:?}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod metrics;
 mod nlb;
 mod node;
 mod scaleout;
+mod slowstart;
 mod tcp;
 mod udp;
 mod watch;

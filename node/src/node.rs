@@ -37,7 +37,7 @@ impl Vserver {
     pub fn state(&self) -> Arc<VsState> {
         self.state.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
-    fn set_state(&self, s: Arc<VsState>) {
+    pub(crate) fn set_state(&self, s: Arc<VsState>) {
         *self.state.write().unwrap_or_else(|e| e.into_inner()) = s;
         self.generation.fetch_add(1, Ordering::Release);
     }
@@ -90,6 +90,8 @@ pub struct Node {
     opts: NodeOpts,
     /// CUSTOMLOAD values: key `vserver/service` or `service`.
     custom_loads: Mutex<HashMap<String, f64>>,
+    /// The node's own slow start of every vserver.
+    ramps: crate::slowstart::Ramps,
     /// Services removed from the configuration while draining: (vserver, runtime).
     removed: Mutex<Vec<(String, Arc<ServiceRt>)>>,
 }
@@ -154,7 +156,7 @@ impl Default for NodeOpts {
 }
 
 /// Probes one service until it is dropped from every configuration.
-async fn health_loop(rt: std::sync::Weak<ServiceRt>, cfg: HealthCfg, vserver: String) {
+pub(crate) async fn health_loop(rt: std::sync::Weak<ServiceRt>, cfg: HealthCfg, vserver: String) {
     let mut fails = 0u32;
     let mut oks = 0u32;
     let probe_timeout = cfg
@@ -181,6 +183,7 @@ async fn health_loop(rt: std::sync::Weak<ServiceRt>, cfg: HealthCfg, vserver: St
                     up_since_ms = r.up_since_ns() / 1_000_000,
                     "service UP (new for slow start)"
                 );
+                crate::slowstart::WAKE.notify_one();
             }
         } else {
             fails += 1;
@@ -210,6 +213,7 @@ impl Node {
             inner: tokio::sync::Mutex::new(Inner::default()),
             sample: Mutex::new(Sample::default()),
             started: Instant::now(),
+            ramps: crate::slowstart::Ramps::new(opts.health, ip),
             opts,
             custom_loads: Mutex::new(HashMap::new()),
             removed: Mutex::new(Vec::new()),
@@ -217,6 +221,7 @@ impl Node {
         metrics::start_instant();
         crate::scaleout::set_source_ip(ip);
         tokio::spawn(sampler(Arc::downgrade(&node)));
+        tokio::spawn(slow_start_loop(Arc::downgrade(&node)));
         node
     }
 
@@ -252,6 +257,21 @@ impl Node {
                     return Err(Status::invalid_argument(format!(
                         "vserver {}: service {}: cap_per_second must be >= 0",
                         v.name, s.name
+                    )));
+                }
+                if s.custom_load.is_some_and(|c| !c.is_finite()) {
+                    return Err(Status::invalid_argument(format!(
+                        "vserver {}: service {}: custom_load must be a finite number",
+                        v.name, s.name
+                    )));
+                }
+            }
+            if let Some(ss) = &v.slow_start {
+                let max = lbscale_core::slowstart::MAX_INCREMENT_INTERVAL;
+                if ss.increment_interval_s > max {
+                    return Err(Status::invalid_argument(format!(
+                        "vserver {}: slow_start.increment_interval_s must be 0-{max} (0 is manual slow start), got {}",
+                        v.name, ss.increment_interval_s
                     )));
                 }
             }
@@ -349,6 +369,9 @@ impl Node {
             tracing::info!(vserver = %v.name, addr = %SocketAddr::new(self.ip, key.0), kind = ?kind, "vserver listening");
             inner.listeners.insert(*key, Listener { vs, task });
         }
+        let names: std::collections::HashSet<&str> =
+            desired.iter().map(|(_, _, v)| v.name.as_str()).collect();
+        self.ramps.retain(&names);
         self.version.store(cfg.version, Ordering::Relaxed);
         Ok(cfg.version)
     }
@@ -400,7 +423,8 @@ impl Node {
                 let rt = prev
                     .and_then(|p| {
                         p.services.iter().find(|e| {
-                            e.rt.name == s.name
+                            !e.peer
+                                && e.rt.name == s.name
                                 && e.rt.host == s.address
                                 && e.rt.port as u32 == s.port
                         })
@@ -408,9 +432,6 @@ impl Node {
                     .map(|e| e.rt.clone())
                     .unwrap_or_else(|| {
                         let rt = Arc::new(ServiceRt::new(&s.name, &s.address, s.port as u16));
-                        if let Some(l) = custom_load_for(&loads, &v.name, &s.name) {
-                            rt.set_custom_load(l);
-                        }
                         if !self.opts.health.interval.is_zero() {
                             tokio::spawn(health_loop(
                                 Arc::downgrade(&rt),
@@ -420,15 +441,25 @@ impl Node {
                         }
                         rt
                     });
-                SvcEntry {
-                    rt,
-                    weight: s.weight.max(1),
-                    enabled: s.enabled,
-                    cap: s.cap_per_second.unwrap_or(0.0),
-                }
+                // The configuration's CUSTOMLOAD value takes precedence over the file's.
+                rt.set_custom_load(
+                    s.custom_load
+                        .or_else(|| custom_load_for(&loads, &v.name, &s.name))
+                        .unwrap_or(0.0),
+                );
+                let mut e = SvcEntry::new(rt, s.weight.max(1), s.enabled);
+                e.explicit_cap = s.cap_per_second;
+                e.custom_load = s.custom_load;
+                e
             })
             .collect();
+        let services = self.ramps.configure(v, kind, services, self.uptime_ms());
         VsState::new(v.name.clone(), kind, method_of(v.lb_method), services)
+    }
+
+    /// Node uptime, ms: the clock of the slow-start model.
+    pub fn uptime_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
     }
 
     /// Services that stop taking new connections (disabled, or removed with their
@@ -478,7 +509,7 @@ impl Node {
             inner.listeners.values().map(|l| l.vs.state()).collect()
         };
         for st in &states {
-            for e in &st.services {
+            for e in st.services.iter().filter(|e| e.custom_load.is_none()) {
                 e.rt.set_custom_load(custom_load_for(&loads, &st.name, &e.rt.name).unwrap_or(0.0));
             }
         }
@@ -536,9 +567,15 @@ impl Node {
                 ..Default::default()
             });
         }
+        let uptime_ms = self.uptime_ms();
         for st in states {
             for e in &st.services {
                 let rt = &e.rt;
+                let cap = e.cap();
+                // up_since (ns since process start) is when it was bound or last
+                // came UP: when it last became new.
+                let new_since_ms = uptime_ms
+                    .saturating_sub(metrics::now_ns().saturating_sub(rt.up_since_ns()) / 1_000_000);
                 services.push(lbscale_proto::ServiceStats {
                     vserver: st.name.clone(),
                     service: rt.name.clone(),
@@ -546,7 +583,17 @@ impl Node {
                     requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
                     active_connections: rt.active.load(Ordering::Relaxed),
                     avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
-                    ..Default::default()
+                    health: if !e.enabled {
+                        "DISABLED"
+                    } else if rt.is_up() {
+                        "UP"
+                    } else {
+                        "DOWN"
+                    }
+                    .to_string(),
+                    in_slow_start: cap.is_some() && !e.peer && e.usable(),
+                    cap_per_second: cap.unwrap_or(0.0),
+                    new_since_ms,
                 });
             }
         }
@@ -615,6 +662,25 @@ async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
+        }
+    }
+}
+
+/// Runs the node's own slow start (`crate::slowstart`): a tick every 100 ms and at
+/// every increment boundary, serialised with Configure by the listeners' lock.
+async fn slow_start_loop(node: std::sync::Weak<Node>) {
+    loop {
+        let wait = {
+            let Some(node) = node.upgrade() else { return };
+            let inner = node.inner.lock().await;
+            let vservers: Vec<&Vserver> = inner.listeners.values().map(|l| &*l.vs).collect();
+            let next = node.ramps.tick(&vservers, node.uptime_ms());
+            // One ms late rather than early: the boundary must have passed.
+            (next + 1).saturating_sub(node.uptime_ms())
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+            _ = crate::slowstart::WAKE.notified() => {}
         }
     }
 }

@@ -4,9 +4,10 @@
 //! service receives compared with the plan, per service per step, within 5 %.
 //!
 //! The engine's time is compressed: each step of golden.md G2/G3 is applied for a
-//! few seconds. A cap of 0 (a new service in automatic slow start before its first
-//! increment) cannot be said with `cap_per_second` (0 = no cap): the engine must
-//! send such a service with `enabled = false`, which is what these tests do.
+//! few seconds, with explicit caps (`cap_per_second`, which overrides the node's own
+//! slow start; `Some(0)` holds a new service at no requests before its first
+//! increment). The node's own slow start, from the vserver's settings, is tested in
+//! `node_slowstart.rs`.
 //!
 //! Rates are measured from the backends' arrival times inside each step's window
 //! (after a settling time): a service expecting at least 50 requests in the window
@@ -17,8 +18,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -26,51 +26,8 @@ use lbscale_core::slowstart::{
     LbMethod as PlanMethod, Service as PlanService, SlowStartConfig, Unit, Vserver as Plan,
 };
 use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, Vserver};
-use tokio::net::TcpStream;
 
 const SETTLE: Duration = Duration::from_millis(600);
-
-/// Sends GET / at a fixed rate over a pool of keep-alive connections.
-struct Load {
-    stop: Arc<AtomicBool>,
-    errors: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-fn start_load(vip: &'static str, rate: f64) -> Load {
-    let stop = Arc::new(AtomicBool::new(false));
-    let errors = Arc::new(AtomicU64::new(0));
-    let (st, er) = (stop.clone(), errors.clone());
-    let task = tokio::spawn(async move {
-        let pool: Arc<Mutex<Vec<TcpStream>>> = Arc::new(Mutex::new(Vec::new()));
-        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-        while !st.load(Ordering::Relaxed) {
-            tick.tick().await;
-            let pool = pool.clone();
-            let er = er.clone();
-            tokio::spawn(async move {
-                let conn = pool.lock().unwrap().pop();
-                let r = tokio::time::timeout(Duration::from_secs(5), async move {
-                    let mut s = match conn {
-                        Some(s) => s,
-                        None => TcpStream::connect(vip).await?,
-                    };
-                    let r = http_request(&mut s, "/").await?;
-                    Ok::<_, std::io::Error>((s, r.status))
-                })
-                .await;
-                match r {
-                    Ok(Ok((s, 200))) => pool.lock().unwrap().push(s),
-                    _ => {
-                        er.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            });
-        }
-    });
-    Load { stop, errors, task }
-}
 
 /// One step: the plan's caps become the node's configuration.
 fn node_config(
@@ -92,8 +49,7 @@ fn node_config(
                 address: b.addr.ip().to_string(),
                 port: b.addr.port() as u32,
                 weight: s.weight,
-                // cap 0 in slow start = no traffic yet: disabled (see the module doc).
-                enabled: cap != Some(0.0),
+                enabled: true,
                 cap_per_second: cap,
                 custom_load: None,
             }

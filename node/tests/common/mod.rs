@@ -6,8 +6,8 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -89,6 +89,9 @@ pub struct HttpBackend {
     /// Arrival time of every request (HTTP backends).
     pub stamps: Arc<std::sync::Mutex<Vec<Instant>>>,
     task: tokio::task::JoinHandle<()>,
+    /// Dropped with the backend: the open connections of an HTTP backend close
+    /// too, as when a real backend stops.
+    _stop: tokio::sync::watch::Sender<()>,
 }
 
 impl Drop for HttpBackend {
@@ -123,6 +126,7 @@ pub async fn http_backend_with_delay(
     let h = hits.clone();
     let cc = conns.clone();
     let st = stamps.clone();
+    let (stop, stopped) = tokio::sync::watch::channel(());
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = l.accept().await else {
@@ -131,44 +135,11 @@ pub async fn http_backend_with_delay(
             cc.fetch_add(1, Ordering::SeqCst);
             let h = h.clone();
             let st = st.clone();
+            let mut stopped = stopped.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut tmp = [0u8; 4096];
-                loop {
-                    // Read one request head (requests carry no body in these tests).
-                    let end = loop {
-                        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break p + 4;
-                        }
-                        match s.read(&mut tmp).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
-                        }
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
-                    buf.drain(..end);
-                    h.fetch_add(1, Ordering::SeqCst);
-                    st.lock().unwrap().push(Instant::now());
-                    let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
-                    if path.starts_with("/slow") {
-                        tokio::time::sleep(Duration::from_millis(1500)).await;
-                    } else if !delay.is_zero() {
-                        tokio::time::sleep(delay).await;
-                    }
-                    let body: Vec<u8> = if path.starts_with("/big") {
-                        vec![b'x'; 1 << 20]
-                    } else {
-                        name.as_bytes().to_vec()
-                    };
-                    let resp = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Backend: {name}\r\n\r\n",
-                        body.len()
-                    );
-                    if s.write_all(resp.as_bytes()).await.is_err()
-                        || s.write_all(&body).await.is_err()
-                    {
-                        return;
-                    }
+                tokio::select! {
+                    _ = stopped.changed() => {}
+                    _ = serve_http(&mut s, h, st, name, delay) => {}
                 }
             });
         }
@@ -179,6 +150,53 @@ pub async fn http_backend_with_delay(
         conns,
         stamps,
         task,
+        _stop: stop,
+    }
+}
+
+/// Answers the requests of one backend connection until it closes.
+async fn serve_http(
+    s: &mut TcpStream,
+    h: Arc<AtomicU64>,
+    st: Arc<std::sync::Mutex<Vec<Instant>>>,
+    name: &'static str,
+    delay: Duration,
+) {
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 4096];
+    loop {
+        // Read one request head (requests carry no body in these tests).
+        let end = loop {
+            if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break p + 4;
+            }
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+        buf.drain(..end);
+        h.fetch_add(1, Ordering::SeqCst);
+        st.lock().unwrap().push(Instant::now());
+        let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+        if path.starts_with("/slow") {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        } else if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let body: Vec<u8> = if path.starts_with("/big") {
+            vec![b'x'; 1 << 20]
+        } else {
+            name.as_bytes().to_vec()
+        };
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Backend: {name}\r\n\r\n",
+            body.len()
+        );
+        if s.write_all(resp.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
+            return;
+        }
     }
 }
 
@@ -190,6 +208,8 @@ pub async fn tcp_backend(addr: &str, name: &'static str) -> HttpBackend {
     let addr = l.local_addr().unwrap();
     let hits = Arc::new(AtomicU64::new(0));
     let h = hits.clone();
+    // Its connections outlive it (tests of draining rely on that).
+    let (stop, _) = tokio::sync::watch::channel(());
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = l.accept().await else {
@@ -220,6 +240,7 @@ pub async fn tcp_backend(addr: &str, name: &'static str) -> HttpBackend {
         conns: hits,
         stamps: Arc::new(std::sync::Mutex::new(Vec::new())),
         task,
+        _stop: stop,
     }
 }
 
@@ -356,4 +377,62 @@ pub async fn api_client(ip: &str) -> Client {
         Ok(r)
     });
     lbscale_proto::node_api_client::NodeApiClient::with_interceptor(ch, f)
+}
+
+// --- load ---------------------------------------------------------------------
+
+/// Sends GET / at a fixed rate over a pool of keep-alive connections.
+pub struct Load {
+    pub stop: Arc<AtomicBool>,
+    pub errors: Arc<AtomicU64>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+pub fn start_load(vip: &'static str, rate: f64) -> Load {
+    let stop = Arc::new(AtomicBool::new(false));
+    let errors = Arc::new(AtomicU64::new(0));
+    let (st, er) = (stop.clone(), errors.clone());
+    let task = tokio::spawn(async move {
+        let pool: Arc<Mutex<Vec<TcpStream>>> = Arc::new(Mutex::new(Vec::new()));
+        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        while !st.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let pool = pool.clone();
+            let er = er.clone();
+            tokio::spawn(async move {
+                let conn = pool.lock().unwrap().pop();
+                let r = tokio::time::timeout(Duration::from_secs(5), async move {
+                    let mut s = match conn {
+                        Some(s) => s,
+                        None => TcpStream::connect(vip).await?,
+                    };
+                    let r = http_request(&mut s, "/").await?;
+                    Ok::<_, std::io::Error>((s, r.status))
+                })
+                .await;
+                match r {
+                    Ok(Ok((s, 200))) => pool.lock().unwrap().push(s),
+                    _ => {
+                        er.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    Load { stop, errors, task }
+}
+
+impl Load {
+    /// Stops sending; the number of requests that failed.
+    pub async fn finish(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        tokio::time::timeout(Duration::from_secs(5), self.task)
+            .await
+            .expect("load generator stops within 5 s")
+            .unwrap();
+        // Requests still in flight end within their own timeout.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.errors.load(Ordering::Relaxed)
+    }
 }
