@@ -184,6 +184,43 @@ async fn custom_load_from_the_load_file_with_weights() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_load_in_the_configuration_overrides_the_file() {
+    let a = http_backend("127.81.6.10:8001", "alpha").await;
+    let b = http_backend("127.81.6.11:8001", "beta").await;
+    let dir = tmpdir("customload-config");
+    let file = dir.join("loads.json");
+    std::fs::write(&file, r#"{"a": 1, "b": 0}"#).unwrap();
+    let (_p, _d) = start_serve(
+        "customload-config",
+        "127.81.6.1",
+        &["--custom-load-file", file.to_str().unwrap()],
+    );
+    let mut cl = api_client("127.81.6.1").await;
+    let with_b = |load: Option<f64>| {
+        let mut b = svc("b", &b, 1);
+        b.custom_load = load;
+        vec![svc("a", &a, 1), b]
+    };
+    let vip = "127.81.6.1:8080";
+    // The file says b: 0, the configuration b: 5 → a (load 1) is the least loaded.
+    configure(&mut cl, LbMethod::Customload, with_b(Some(5.0))).await;
+    let hit = services_hit(vip, 6).await;
+    assert!(
+        hit.iter().all(|s| s == "a"),
+        "configuration over file: {hit:?}"
+    );
+    // A new file does not override it either.
+    std::fs::write(&file, r#"{"a": 1, "b": 0, "c": 2}"#).unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let hit = services_hit(vip, 6).await;
+    assert!(hit.iter().all(|s| s == "a"), "file changed: {hit:?}");
+    // Without a value in the configuration the file's applies again: b (0).
+    configure(&mut cl, LbMethod::Customload, with_b(None)).await;
+    let hit = services_hit(vip, 6).await;
+    assert!(hit.iter().all(|s| s == "b"), "back to the file: {hit:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_response_time_prefers_the_fast_service() {
     let slow = http_backend_with_delay("127.81.3.10:8001", "slow", Duration::from_millis(40)).await;
     let fast = http_backend("127.81.3.11:8001", "fast").await;
