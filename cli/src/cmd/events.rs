@@ -72,7 +72,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
 }
 
 /// `2024-05-01T12:00:00.123Z` from Unix ms (UTC, no time-zone database needed).
-fn format_time(ms: i64) -> String {
+pub(crate) fn format_time(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);

@@ -1,11 +1,16 @@
 //! `lbscale status --state URL`: every group of the store with its nodes per AZ,
-//! as a table (what the store and the node processes show now).
+//! as a table (what the store and the node processes show now), and each AZ's
+//! policy phase as the daemon last persisted it (with the end of a cooldown or
+//! back-off it waits for).
 
 use lbscale_engine::cloud::local::LocalSettings;
 use lbscale_engine::Engine;
 
 use crate::cmd::daemon::{check_state_url, flag_pairs};
+use crate::cmd::events::format_time;
 use crate::output::CliError;
+use lbscale_daemon::group::phase_name;
+use lbscale_daemon::resume::wait_ends_at;
 
 pub fn run(args: &[String]) -> Result<(), CliError> {
     let mut state = None;
@@ -33,9 +38,11 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         .store
         .all_groups()
         .map_err(|e| CliError::Output(e.to_string()))?;
-    let mut rows = vec![["GROUP", "AZ", "MIN", "MAX", "SERVING", "NODES", "STATUS"]
-        .map(String::from)
-        .to_vec()];
+    let mut rows = vec![[
+        "GROUP", "AZ", "MIN", "MAX", "SERVING", "NODES", "STATUS", "POLICY",
+    ]
+    .map(String::from)
+    .to_vec()];
     for g in &groups {
         let Some(view) = engine
             .group_view(&g.id)
@@ -44,6 +51,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             continue;
         };
         let status = view.status();
+        let policy = engine
+            .store
+            .policy_states(&g.id)
+            .map_err(|e| CliError::Output(e.to_string()))?;
         for az in &view.spec.availability_zones {
             let nodes: Vec<_> = view
                 .nodes
@@ -72,6 +83,18 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
                 serving.to_string(),
                 states,
                 status.clone(),
+                policy
+                    .iter()
+                    .find(|p| &p.az == az)
+                    .map(|p| {
+                        let phase = phase_name(p.state.phase.kind());
+                        match wait_ends_at(&p.state.phase) {
+                            Some(until) => format!("{phase} until {}", format_time(until as i64)),
+                            None => phase.to_string(),
+                        }
+                    })
+                    // No daemon has evaluated the AZ yet.
+                    .unwrap_or_else(|| "-".into()),
             ]);
         }
     }
