@@ -13,7 +13,8 @@
 //! whichever is more (a token bucket lets one or two requests through early at a
 //! boundary; the node's clock is mapped to within a millisecond or so); a service
 //! the model gives nothing gets at most 1 request. Stats are sampled in the middle
-//! of every step: `in_slow_start` and `cap_per_second` must be the model's.
+//! of every step: `in_slow_start` and `cap_per_second` must be the model's. The TCP
+//! join test counts connections over one 2 s window instead (within 3).
 
 mod common;
 
@@ -542,4 +543,106 @@ async fn a_joining_node_ramps_against_its_peer() {
     );
     let errors = load.finish().await;
     check.done("a_joining_node_ramps_against_its_peer", errors);
+}
+
+/// (d, TCP) A joining node forwards the connections its own service may not take
+/// yet to its peer (TCP to the peer's vserver port); manual slow start holds the
+/// ramp until a Configure releases it, which ends the join ramp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_tcp_node_forwards_connections_to_its_peer() {
+    let o = tcp_backend("127.88.5.11:9001", "O").await;
+    let n = tcp_backend("127.88.5.21:9001", "N").await;
+    let tcp_vs = |s: Service, ss: Option<SlowStart>, peers: Vec<String>| Vserver {
+        service_type: ServiceType::Tcp as i32,
+        port: 9000,
+        ..vserver(vec![s], ss, peers)
+    };
+    let (_old, _) = start_serve("ss-old-tcp", "127.88.5.1", &[]);
+    let mut old = api_client("127.88.5.1").await;
+    configure(&mut old, 1, tcp_vs(svc("O", &o), None, vec![])).await;
+    let (_new, _) = start_serve("ss-new-tcp", "127.88.5.2", &[]);
+    let mut cl = api_client("127.88.5.2").await;
+    let held = slow_start(5, SlowStartUnit::PerSecond, 0);
+    configure(
+        &mut cl,
+        1,
+        tcp_vs(svc("N", &n), held, vec!["127.88.5.1".into()]),
+    )
+    .await;
+    let connect = || async {
+        let mut s = tokio::net::TcpStream::connect("127.88.5.2:9000")
+            .await
+            .expect("connect to the new node");
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        while tokio::io::AsyncReadExt::read(&mut s, &mut byte)
+            .await
+            .unwrap_or(0)
+            == 1
+            && byte[0] != b'\n'
+        {
+            line.push(byte[0]);
+        }
+        String::from_utf8_lossy(&line).to_string()
+    };
+    // 20 connections per second for 2 s, each reads the backend's greeting.
+    let window = |label: &'static str| async move {
+        let mut tasks = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        for _ in 0..40 {
+            tick.tick().await;
+            tasks.push(tokio::spawn(connect()));
+        }
+        let mut got = (0, 0);
+        for t in tasks {
+            match t.await.unwrap().as_str() {
+                "N" => got.0 += 1,
+                "O" => got.1 += 1,
+                other => panic!("{label}: greeting {other:?}"),
+            }
+        }
+        got
+    };
+    // Held at 5 connections/s, the rest through the peer.
+    let (own, fwd) = window("held").await;
+    let st = stats(&mut cl).await;
+    assert!(
+        service(&st, "N").in_slow_start && service(&st, "N").cap_per_second == 5.0,
+        "{:?}",
+        st.services
+    );
+    assert_eq!(
+        service(&st, "peer:127.88.5.1:9000").requests_total,
+        fwd,
+        "forwarded connections are counted"
+    );
+    // The model: N new, the peer's pseudo-service (weight 1 × 1 peer) existing, the
+    // AZ's rate twice the node's 20 connections/s; over the 2 s window.
+    let mut p = plan(&["peers"], 5, Unit::PerSecond, 0);
+    p.add_service("N", 1, 0);
+    p.request_rate = 2.0 * 20.0;
+    p.advance(0);
+    let want = p.rates(0)[1] * 2.0;
+    eprintln!("tcp join held: own {own} forwarded {fwd} of 40 (model: own {want:.1})");
+    assert!(
+        (own as f64 - want).abs() <= 3.0 && own + fwd == 40,
+        "held: own {own} (model {want:.1}), forwarded {fwd}"
+    );
+
+    // Released: the ramp is over, the node serves every connection itself.
+    configure(
+        &mut cl,
+        2,
+        tcp_vs(
+            svc("N", &n),
+            slow_start(0, SlowStartUnit::PerSecond, 0),
+            vec![],
+        ),
+    )
+    .await;
+    let (own, fwd) = window("released").await;
+    eprintln!("tcp join released: own {own} forwarded {fwd} of 40");
+    assert_eq!((own, fwd), (40, 0), "after the ramp the peer is not used");
+    let st = stats(&mut cl).await;
+    assert!(!st.services.iter().any(|s| s.service.starts_with("peer:")));
 }
