@@ -1,6 +1,6 @@
 //! One group's evaluation: sample, step the policy per AZ, run the workflow.
 
-use crate::metrics::{AzStatus, GroupStatus, ResumeWait, SampleOut};
+use crate::metrics::{AzStatus, GroupStatus, RampingService, ResumeWait, SampleOut};
 use crate::resume::{restore_az_state, wait_ends_at, ResumeBackoff};
 use crate::Shared;
 use lbscale_core::duration::{format_as_seconds, parse_duration};
@@ -501,6 +501,23 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             .filter_map(|t| answers.get(&t.id))
             .collect();
         let sample = mean(&answered);
+        let slow_start: Vec<RampingService> = targets
+            .iter()
+            .filter(|t| &t.az == az)
+            .filter_map(|t| answers.get(&t.id).map(|s| (t, s)))
+            .flat_map(|(t, s)| {
+                s.services
+                    .iter()
+                    .filter(|x| x.in_slow_start)
+                    .map(|x| RampingService {
+                        node: t.id.clone(),
+                        vserver: x.vserver.clone(),
+                        service: x.service.clone(),
+                        cap_per_second: x.cap_per_second,
+                        requests_per_second: x.requests_per_second,
+                    })
+            })
+            .collect();
         shared.metrics.set_az(name, az, &by_state, sample.as_ref());
 
         let restored = if rt.azs.contains_key(az) {
@@ -626,7 +643,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
                 shared.metrics.set_az(name, az, &by_state, sample.as_ref());
             }
         }
-        statuses.push(az_status(az, &azrt.state, by_state, sample));
+        statuses.push(az_status(az, &azrt.state, by_state, sample, slow_start));
     }
     shared.update_status(&id, |s| {
         s.owner = "self".into();
@@ -667,6 +684,7 @@ fn az_status(
     state: &AzState,
     nodes: BTreeMap<String, u64>,
     sample: Option<SampleOut>,
+    slow_start: Vec<RampingService>,
 ) -> AzStatus {
     AzStatus {
         az: az.to_string(),
@@ -681,6 +699,7 @@ fn az_status(
             .collect(),
         in_streak: state.in_streak,
         wait_until_ms: wait_ends_at(&state.phase),
+        slow_start,
     }
 }
 

@@ -239,6 +239,22 @@ pub struct AzStatus {
     /// Unix ms when the phase's wait ends (cooldown, provisioning back-off, DNS
     /// TTL, drain timeout); absent when the phase waits for nothing timed.
     pub wait_until_ms: Option<u64>,
+    /// Services of the AZ's nodes in slow start, as the nodes reported them: a
+    /// node that joined ramps its services against the older nodes, and a service
+    /// back UP ramps again.
+    pub slow_start: Vec<RampingService>,
+}
+
+/// A service in slow start on one node.
+#[derive(Debug, Clone, Serialize)]
+pub struct RampingService {
+    pub node: String,
+    pub vserver: String,
+    pub service: String,
+    /// The cap in force, requests (HTTP) or connections per second.
+    pub cap_per_second: f64,
+    /// What it receives now.
+    pub requests_per_second: f64,
 }
 
 /// A group's unfinished work that this daemon failed to resume and retries later.
