@@ -405,10 +405,24 @@ done
 [ -n "$new_addr" ] || die "the distributor does not hand out a new address: ${addresses2[*]}"
 step "the new node $new_addr is in DNS ($domain A: ${addresses2[*]}) and serves"
 show_request "$new_addr" "new" || die "the new node $new_addr does not answer"
-info "no slow start for a new node: it takes its full share of the traffic as soon as clients"
-info "resolve its address (ramping a new node under slow start is not built into the engine yet)"
-info "keeping the load on for 10 s: both nodes share it (the load generator's view: per node)"
-for _ in 1 2 3 4 5; do
+info "slow start: the new node's backends ramp (1 request/s more every 2 s); what they may not take"
+info "yet, the new node passes on to the older node. As the new node reports it (/v1/groups):"
+ramp_seen=0
+deadline=$((SECONDS + 40))
+while [ $SECONDS -lt $deadline ]; do
+  ramp=$(group_field '"; ".join("%s %.0f/%.0f" % (r["service"], r["requests_per_second"], r["cap_per_second"]) for r in az.get("slow_start", []))')
+  if [ -n "$ramp" ]; then
+    ramp_seen=1
+    info "  t+$((SECONDS - cycle_start))s  in slow start (req/s received / cap): $ramp"
+  elif [ "$ramp_seen" = 1 ]; then
+    info "  t+$((SECONDS - cycle_start))s  the ramp is over: the new node takes its full share"
+    break
+  fi
+  sleep 1
+done
+[ "$ramp_seen" = 1 ] || info "  (no sample caught the ramp: it ended between two of the daemon's samples)"
+info "keeping the load on for 6 s: both nodes share it (the load generator's view: per node)"
+for _ in 1 2 3; do
   progress
   sleep 2
 done

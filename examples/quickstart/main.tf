@@ -115,10 +115,12 @@ resource "lbscale_vserver" "web" {
     }
   }
 
+  # A node that joins ramps each backend up by 1 request/s every 2 s; what its
+  # backends may not take yet goes to the node that was already serving.
   slow_start {
-    new_service_request = 5
+    new_service_request = 1
     unit                = "PER_SECOND"
-    increment_interval  = 10
+    increment_interval  = 2
   }
 }
 
