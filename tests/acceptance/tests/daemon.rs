@@ -390,9 +390,10 @@ fn daemon_scales_out_under_load_and_back_in_when_idle() {
 
     let status = lbscale(&ws, &["status", "--state", "sqlite://.lbscale/state.db"]);
     assert!(
-        status
-            .lines()
-            .any(|l| l.starts_with("dcyc") && l.contains("1 active") && l.ends_with("ok")),
+        status.lines().any(|l| l.starts_with("dcyc")
+            && l.contains("1 active")
+            && l.contains(" ok ")
+            && l.ends_with("evaluating")),
         "{status}"
     );
     let table = lbscale(
