@@ -45,6 +45,19 @@ pub fn error(
     });
 }
 
+pub fn warning(
+    diags: &mut Diagnostics,
+    path: AttributePath,
+    summary: impl Into<String>,
+    detail: impl Into<String>,
+) {
+    diags.add_warning(Diagnostic {
+        summary: summary.into().into(),
+        detail: detail.into().into(),
+        attribute: path,
+    });
+}
+
 pub fn root_error(diags: &mut Diagnostics, summary: impl Into<String>, detail: impl Into<String>) {
     error(diags, AttributePath::default(), summary, detail)
 }
@@ -88,6 +101,19 @@ pub fn report(diags: &mut Diagnostics, findings: Findings) -> Option<()> {
 /// The value, or the engine's error added as a diagnostic (`None`).
 pub fn done<T>(diags: &mut Diagnostics, what: &str, result: Result<T, EngineError>) -> Option<T> {
     result.map_err(|e| engine_error(diags, what, e)).ok()
+}
+
+/// Runs one of the engine's plan-time checks against the store and reports its
+/// findings; `None` when one of them is an error.
+pub fn plan_check(
+    handle: &EngineHandle,
+    diags: &mut Diagnostics,
+    what: &str,
+    check: impl FnOnce(&Engine) -> Result<Findings, EngineError>,
+) -> Option<()> {
+    let engine = engine(handle, diags)?;
+    let findings = done(diags, what, check(&engine))?;
+    report(diags, findings)
 }
 
 /// The id of the object that `terraform import` names; the import id is the name.
@@ -207,6 +233,15 @@ pub fn changed<T: PartialEq>(a: &Value<T>, b: &Value<T>) -> bool {
 
 pub fn attr_path(name: &'static str) -> AttributePath {
     AttributePath::new(name)
+}
+
+/// The attributes that force a replacement, from `(attribute, changed)` pairs.
+pub fn requires_replace(changes: &[(&'static str, bool)]) -> Vec<AttributePath> {
+    changes
+        .iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(name, _)| attr_path(name))
+        .collect()
 }
 
 /// A Terraform number that may have a fraction.

@@ -3,8 +3,7 @@
 use crate::common::*;
 use crate::data_sources::{group::GroupDataSource, simulation::SimulationDataSource};
 use crate::resources::{
-    distributor::DistributorResource, group::GroupResource, se_group::SeGroupResource,
-    vserver::VserverResource,
+    distributor::Distributor, group::Group, managed::Managed, se_group::SeGroup, vserver::Vserver,
 };
 use async_trait::async_trait;
 use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
@@ -202,19 +201,19 @@ impl Provider for LbscaleProvider {
         Some(HashMap::from([
             (
                 "traffic_distributor".to_string(),
-                Box::new(DistributorResource(e.clone())) as Box<dyn DynamicResource>,
+                Box::new(Managed::<Distributor>::new(e.clone())) as Box<dyn DynamicResource>,
             ),
             (
                 "autoscale_group".to_string(),
-                Box::new(GroupResource(e.clone())) as Box<dyn DynamicResource>,
+                Box::new(Managed::<Group>::new(e.clone())) as Box<dyn DynamicResource>,
             ),
             (
                 "se_group".to_string(),
-                Box::new(SeGroupResource(e.clone())) as Box<dyn DynamicResource>,
+                Box::new(Managed::<SeGroup>::new(e.clone())) as Box<dyn DynamicResource>,
             ),
             (
                 "vserver".to_string(),
-                Box::new(VserverResource(e.clone())) as Box<dyn DynamicResource>,
+                Box::new(Managed::<Vserver>::new(e.clone())) as Box<dyn DynamicResource>,
             ),
         ]))
     }

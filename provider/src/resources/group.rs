@@ -5,18 +5,21 @@
 //! will act on the nodes: a change to the declared shape, or a group that is not
 //! healthy (a node died, an AZ below `min_nodes`), which the apply then heals.
 
-use super::{check_cloud_built, missing_state};
+use super::check_cloud_built;
+use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{Findings, GroupSpec, NodeSizeSpec, PathStep, ThresholdSpec, CLOUDS};
 use lbscale_engine::reconcile::GroupView;
+use lbscale_engine::store::StoreError;
+use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use tf_provider::schema::{AttributeType, NestedBlock, Schema};
-use tf_provider::value::{Value, ValueEmpty};
-use tf_provider::{AttributePath, Diagnostics, Resource};
+use tf_provider::schema::{AttributeType, Block, NestedBlock};
+use tf_provider::value::Value;
+use tf_provider::{AttributePath, Diagnostics};
 
-pub struct GroupResource(pub EngineHandle);
+pub struct Group;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ThresholdBlock {
@@ -109,120 +112,6 @@ fn apply_defaults(s: &mut State) {
     }
 }
 
-fn validate(s: &State) -> Findings {
-    let mut f = Findings::default();
-    if let Some(n) = known(&s.name) {
-        f.name(n);
-    }
-    if let Some(c) = known(&s.cloud) {
-        f.one_of(vec![PathStep::Attr("cloud")], "cloud", c, CLOUDS);
-    }
-    if let Some(z) = known(&s.availability_zones) {
-        f.availability_zones(z);
-    }
-    let bound = |v: &Value<i64>, d| {
-        if v.is_null() {
-            Some(d)
-        } else {
-            known(v).copied()
-        }
-    };
-    f.node_bounds(
-        bound(&s.min_nodes, Defaults::MIN_NODES),
-        bound(&s.max_nodes, Defaults::MAX_NODES),
-    );
-    let text = |v: &Value<String>, d: &str| {
-        if v.is_null() {
-            Some(d.to_string())
-        } else {
-            known(v).cloned()
-        }
-    };
-    if let (Some(si), Some(wt)) = (
-        text(&s.stats_interval, Defaults::STATS_INTERVAL),
-        text(&s.watch_time, Defaults::WATCH_TIME),
-    ) {
-        f.timing(&si, &wt);
-    }
-    for (name, v) in [
-        ("cooldown", &s.cooldown),
-        ("drain_timeout", &s.drain_timeout),
-        ("apply_timeout", &s.apply_timeout),
-    ] {
-        if let Some(t) = known(v) {
-            f.duration(vec![PathStep::Attr(name)], name, t);
-        }
-    }
-    if let Some(ts) = known(&s.threshold) {
-        // Checked only once every value of every block is known.
-        let all: Option<Vec<ThresholdSpec>> = ts
-            .iter()
-            .map(|t| {
-                Some(ThresholdSpec {
-                    metric: known(&t.metric)?.clone(),
-                    min: known(&t.min)?.0,
-                    max: known(&t.max)?.0,
-                })
-            })
-            .collect();
-        if let Some(all) = all {
-            f.thresholds(&all);
-        }
-    }
-    if let Some(nodes) = known(&s.node) {
-        for (i, n) in nodes.iter().enumerate() {
-            if let Some(m) = known(&n.memory_limit_mb) {
-                if !(32..=65536).contains(m) {
-                    f.0.push(lbscale_engine::model::Finding::error(
-                        vec![
-                            PathStep::Attr("node"),
-                            PathStep::Index(i),
-                            PathStep::Attr("memory_limit_mb"),
-                        ],
-                        "Invalid memory_limit_mb",
-                        format!("node.memory_limit_mb must be between 32 and 65536, got {m}."),
-                    ));
-                }
-            }
-        }
-    }
-    f
-}
-
-fn spec_of(s: &State) -> GroupSpec {
-    GroupSpec {
-        name: string(&s.name),
-        cloud: string(&s.cloud),
-        availability_zones: known(&s.availability_zones).cloned().unwrap_or_default(),
-        traffic_distributor_id: string(&s.traffic_distributor_id),
-        min_nodes: known(&s.min_nodes).copied().unwrap_or(Defaults::MIN_NODES),
-        max_nodes: known(&s.max_nodes).copied().unwrap_or(Defaults::MAX_NODES),
-        stats_interval: string(&s.stats_interval),
-        watch_time: string(&s.watch_time),
-        cooldown: string(&s.cooldown),
-        drain_timeout: string(&s.drain_timeout),
-        apply_timeout: string(&s.apply_timeout),
-        thresholds: known(&s.threshold)
-            .map(|ts| {
-                ts.iter()
-                    .map(|t| ThresholdSpec {
-                        metric: string(&t.metric),
-                        min: known(&t.min).copied().unwrap_or_default().0,
-                        max: known(&t.max).copied().unwrap_or_default().0,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        node: known(&s.node)
-            .and_then(|n| n.first())
-            .map(|n| NodeSizeSpec {
-                memory_limit_mb: known(&n.memory_limit_mb)
-                    .copied()
-                    .unwrap_or(Defaults::MEMORY_LIMIT_MB),
-            }),
-    }
-}
-
 fn state_of(v: &GroupView) -> State {
     let s = &v.spec;
     State {
@@ -287,265 +176,257 @@ fn needs_healing(s: &State) -> bool {
     })
 }
 
-impl GroupResource {
-    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<State>> {
-        let engine = engine(&self.0, diags)?;
-        match engine.group_view(id) {
-            Ok(None) => Some(Value::Null),
-            Ok(Some(v)) => Some(Value::Value(state_of(&v))),
-            Err(e) => {
-                engine_error(diags, "read autoscale group", e);
-                None
-            }
-        }
-    }
-
-    /// Store-backed rules, checked at plan time when the ids are known.
-    fn check_placement(&self, diags: &mut Diagnostics, s: &State) -> Option<()> {
-        if s.traffic_distributor_id.is_unknown() || s.cloud.is_unknown() {
-            return Some(());
-        }
-        let engine = engine(&self.0, diags)?;
-        let findings = done(
-            diags,
-            "check autoscale group",
-            engine.check_group(&spec_of(s)),
-        )?;
-        report(diags, findings)
+impl State {
+    /// The attributes that only the apply knows.
+    fn forget_computed(&mut self) {
+        self.id = Value::Unknown;
+        self.nodes = Value::Unknown;
+        self.node_count = Value::Unknown;
     }
 }
 
+/// The engine's rules against the store, checked at plan time once the ids are known.
+fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) -> Option<()> {
+    if s.traffic_distributor_id.is_unknown() || s.cloud.is_unknown() {
+        return Some(());
+    }
+    plan_check(engine, diags, "check autoscale group", |e| {
+        e.check_group(&Group::spec_of(s))
+    })
+}
+
 #[async_trait]
-impl Resource for GroupResource {
-    type State<'a> = Value<State>;
-    type PrivateState<'a> = ValueEmpty;
-    type ProviderMetaState<'a> = ValueEmpty;
+impl ManagedObject for Group {
+    type State = State;
+    type Spec = GroupSpec;
+    const KIND: &'static str = "autoscale group";
 
-    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
+    fn schema() -> Block {
         let duration = |d: &str| defaulted(AttributeType::String, d);
-        Some(Schema {
-            version: 1,
-            block: block(
-                "A fleet of load-balancer nodes, one cluster per availability zone, scaled between `min_nodes` and `max_nodes` by thresholds on the nodes' CPU, memory and throughput. Apply brings every AZ to at least `min_nodes` and waits until the nodes serve; the daemon scales between applies.",
-                vec![
-                    ("id", id_attr()),
-                    ("name", required(AttributeType::String, "Name of the group. Changing it replaces the group.")),
-                    ("cloud", required(AttributeType::String, "Cloud of the nodes: `local`, `aws`, `azure` or `gcp`; must equal the traffic distributor's. Changing it replaces the group.")),
-                    ("availability_zones", required(AttributeType::List(Box::new(AttributeType::String)), "Availability zones; one cluster per zone, each scaled on its own.")),
-                    ("traffic_distributor_id", required(AttributeType::String, "Id of the `lbscale_traffic_distributor` that hands out this group's nodes.")),
-                    ("min_nodes", defaulted(AttributeType::Number, "Fewest nodes per AZ. Default 1; 1 <= min_nodes <= max_nodes.")),
-                    ("max_nodes", defaulted(AttributeType::Number, "Most nodes per AZ. Default 4; at most 64. Lowering it below the current count drains the newest nodes.")),
-                    ("stats_interval", duration("How often the nodes' statistics are sampled. Default `\"1m\"`.")),
-                    ("watch_time", duration("How long a breach must hold before acting: a positive multiple of `stats_interval`. Default `\"3m\"`.")),
-                    ("cooldown", duration("After a scale-out's node has joined, no evaluation of that AZ for this long. Default `\"10m\"`.")),
-                    ("drain_timeout", duration("On scale-in, the longest wait for the leaving node's connections to finish. Default `\"10m\"`.")),
-                    ("apply_timeout", duration("How long apply waits for the nodes to be active. Default `\"5m\"`.")),
-                    ("nodes", computed(AttributeType::List(Box::new(node_object_type())), "The group's nodes now: `id`, `availability_zone`, `private_ip`, `public_ip`, `state` (`provisioning`, `joining`, `active`, `draining`, `deprovisioning`, `failed`).")),
-                    ("node_count", computed(AttributeType::Number, "Nodes serving now (changed by the daemon without creating a diff).")),
-                ],
-                vec![
-                    (
-                        "threshold",
-                        NestedBlock::List(block(
-                            "A scaling threshold; at least one, one per metric. Scale-out when any metric is above its `max` for the watch time; scale-in when all are below their `min`.",
+        block(
+            "A fleet of load-balancer nodes, one cluster per availability zone, scaled between `min_nodes` and `max_nodes` by thresholds on the nodes' CPU, memory and throughput. Apply brings every AZ to at least `min_nodes` and waits until the nodes serve; the daemon scales between applies.",
+            vec![
+                ("id", id_attr()),
+                ("name", required(AttributeType::String, "Name of the group. Changing it replaces the group.")),
+                ("cloud", required(AttributeType::String, "Cloud of the nodes: `local`, `aws`, `azure` or `gcp`; must equal the traffic distributor's. Changing it replaces the group.")),
+                ("availability_zones", required(AttributeType::List(Box::new(AttributeType::String)), "Availability zones; one cluster per zone, each scaled on its own.")),
+                ("traffic_distributor_id", required(AttributeType::String, "Id of the `lbscale_traffic_distributor` that hands out this group's nodes.")),
+                ("min_nodes", defaulted(AttributeType::Number, "Fewest nodes per AZ. Default 1; 1 <= min_nodes <= max_nodes.")),
+                ("max_nodes", defaulted(AttributeType::Number, "Most nodes per AZ. Default 4; at most 64. Lowering it below the current count drains the newest nodes.")),
+                ("stats_interval", duration("How often the nodes' statistics are sampled. Default `\"1m\"`.")),
+                ("watch_time", duration("How long a breach must hold before acting: a positive multiple of `stats_interval`. Default `\"3m\"`.")),
+                ("cooldown", duration("After a scale-out's node has joined, no evaluation of that AZ for this long. Default `\"10m\"`.")),
+                ("drain_timeout", duration("On scale-in, the longest wait for the leaving node's connections to finish. Default `\"10m\"`.")),
+                ("apply_timeout", duration("How long apply waits for the nodes to be active. Default `\"5m\"`.")),
+                ("nodes", computed(AttributeType::List(Box::new(node_object_type())), "The group's nodes now: `id`, `availability_zone`, `private_ip`, `public_ip`, `state` (`provisioning`, `joining`, `active`, `draining`, `deprovisioning`, `failed`).")),
+                ("node_count", computed(AttributeType::Number, "Nodes serving now (changed by the daemon without creating a diff).")),
+            ],
+            vec![
+                (
+                    "threshold",
+                    NestedBlock::List(block(
+                        "A scaling threshold; at least one, one per metric. Scale-out when any metric is above its `max` for the watch time; scale-in when all are below their `min`.",
+                        vec![
+                            ("metric", required(AttributeType::String, "`cpu` (percent), `memory` (percent) or `throughput` (Mbps per node).")),
+                            ("min", required(AttributeType::Number, "Scale-in threshold; below `max`.")),
+                            ("max", required(AttributeType::Number, "Scale-out threshold; at most 100 for `cpu` and `memory`.")),
+                        ],
+                        vec![],
+                    )),
+                ),
+                (
+                    "node",
+                    NestedBlock::Optional(block(
+                        "Size and image of a node in the group's cloud.",
+                        vec![("memory_limit_mb", defaulted(AttributeType::Number, "`local`: the node's memory budget, against which its memory percent is measured. Default 256."))],
+                        vec![],
+                    )),
+                ),
+            ],
+        )
+    }
+
+    fn validate(s: &State) -> Findings {
+        let mut f = Findings::default();
+        if let Some(n) = known(&s.name) {
+            f.name(n);
+        }
+        if let Some(c) = known(&s.cloud) {
+            f.one_of(vec![PathStep::Attr("cloud")], "cloud", c, CLOUDS);
+        }
+        if let Some(z) = known(&s.availability_zones) {
+            f.availability_zones(z);
+        }
+        let bound = |v: &Value<i64>, d| {
+            if v.is_null() {
+                Some(d)
+            } else {
+                known(v).copied()
+            }
+        };
+        f.node_bounds(
+            bound(&s.min_nodes, Defaults::MIN_NODES),
+            bound(&s.max_nodes, Defaults::MAX_NODES),
+        );
+        let text = |v: &Value<String>, d: &str| {
+            if v.is_null() {
+                Some(d.to_string())
+            } else {
+                known(v).cloned()
+            }
+        };
+        if let (Some(si), Some(wt)) = (
+            text(&s.stats_interval, Defaults::STATS_INTERVAL),
+            text(&s.watch_time, Defaults::WATCH_TIME),
+        ) {
+            f.timing(&si, &wt);
+        }
+        for (name, v) in [
+            ("cooldown", &s.cooldown),
+            ("drain_timeout", &s.drain_timeout),
+            ("apply_timeout", &s.apply_timeout),
+        ] {
+            if let Some(t) = known(v) {
+                f.duration(vec![PathStep::Attr(name)], name, t);
+            }
+        }
+        if let Some(ts) = known(&s.threshold) {
+            // Checked only once every value of every block is known.
+            let all: Option<Vec<ThresholdSpec>> = ts
+                .iter()
+                .map(|t| {
+                    Some(ThresholdSpec {
+                        metric: known(&t.metric)?.clone(),
+                        min: known(&t.min)?.0,
+                        max: known(&t.max)?.0,
+                    })
+                })
+                .collect();
+            if let Some(all) = all {
+                f.thresholds(&all);
+            }
+        }
+        if let Some(nodes) = known(&s.node) {
+            for (i, n) in nodes.iter().enumerate() {
+                if let Some(m) = known(&n.memory_limit_mb) {
+                    if !(32..=65536).contains(m) {
+                        f.0.push(lbscale_engine::model::Finding::error(
                             vec![
-                                ("metric", required(AttributeType::String, "`cpu` (percent), `memory` (percent) or `throughput` (Mbps per node).")),
-                                ("min", required(AttributeType::Number, "Scale-in threshold; below `max`.")),
-                                ("max", required(AttributeType::Number, "Scale-out threshold; at most 100 for `cpu` and `memory`.")),
+                                PathStep::Attr("node"),
+                                PathStep::Index(i),
+                                PathStep::Attr("memory_limit_mb"),
                             ],
-                            vec![],
-                        )),
-                    ),
-                    (
-                        "node",
-                        NestedBlock::Optional(block(
-                            "Size and image of a node in the group's cloud.",
-                            vec![("memory_limit_mb", defaulted(AttributeType::Number, "`local`: the node's memory budget, against which its memory percent is measured. Default 256."))],
-                            vec![],
-                        )),
-                    ),
-                ],
-            ),
-        })
+                            "Invalid memory_limit_mb",
+                            format!("node.memory_limit_mb must be between 32 and 65536, got {m}."),
+                        ));
+                    }
+                }
+            }
+        }
+        f
     }
 
-    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::State<'a>) -> Option<()> {
-        let Some(c) = known(&config) else {
-            return Some(());
-        };
-        report(diags, validate(c))
+    fn id(state: &State) -> String {
+        string(&state.id)
     }
 
-    async fn read<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        state: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&state) else {
-            return Some((Value::Null, p));
-        };
-        Some((self.observe(diags, &string(&s.id))?, p))
+    fn spec_of(s: &State) -> GroupSpec {
+        GroupSpec {
+            name: string(&s.name),
+            cloud: string(&s.cloud),
+            availability_zones: known(&s.availability_zones).cloned().unwrap_or_default(),
+            traffic_distributor_id: string(&s.traffic_distributor_id),
+            min_nodes: known(&s.min_nodes).copied().unwrap_or(Defaults::MIN_NODES),
+            max_nodes: known(&s.max_nodes).copied().unwrap_or(Defaults::MAX_NODES),
+            stats_interval: string(&s.stats_interval),
+            watch_time: string(&s.watch_time),
+            cooldown: string(&s.cooldown),
+            drain_timeout: string(&s.drain_timeout),
+            apply_timeout: string(&s.apply_timeout),
+            thresholds: known(&s.threshold)
+                .map(|ts| {
+                    ts.iter()
+                        .map(|t| ThresholdSpec {
+                            metric: string(&t.metric),
+                            min: known(&t.min).copied().unwrap_or_default().0,
+                            max: known(&t.max).copied().unwrap_or_default().0,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            node: known(&s.node)
+                .and_then(|n| n.first())
+                .map(|n| NodeSizeSpec {
+                    memory_limit_mb: known(&n.memory_limit_mb)
+                        .copied()
+                        .unwrap_or(Defaults::MEMORY_LIMIT_MB),
+                }),
+        }
     }
 
-    async fn plan_create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Value::Value(mut s) = proposed else {
-            return Some((proposed, Value::Null));
-        };
-        apply_defaults(&mut s);
+    fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
+        apply_defaults(s);
         // The distributor's cloud first: "must equal the distributor's" is the
         // more useful message when both apply.
-        self.check_placement(diags, &s)?;
+        check_placement(engine, diags, s)?;
         check_cloud_built(diags, known(&s.cloud))?;
-        s.id = Value::Unknown;
-        s.nodes = Value::Unknown;
-        s.node_count = Value::Unknown;
-        Some((Value::Value(s), Value::Null))
+        s.forget_computed();
+        Some(())
     }
 
-    async fn plan_update<'a>(
-        &self,
+    fn plan_update(
+        engine: &EngineHandle,
         diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
-        let (Value::Value(prior), Value::Value(mut s)) = (prior, proposed) else {
-            missing_state(diags);
-            return None;
-        };
-        apply_defaults(&mut s);
-        let replace: Vec<AttributePath> = [
+        prior: &State,
+        s: &mut State,
+    ) -> Option<Vec<AttributePath>> {
+        apply_defaults(s);
+        let replace = requires_replace(&[
             ("name", changed(&prior.name, &s.name)),
             ("cloud", changed(&prior.cloud, &s.cloud)),
-        ]
-        .into_iter()
-        .filter(|(_, c)| *c)
-        .map(|(a, _)| attr_path(a))
-        .collect();
+        ]);
         if !replace.is_empty() {
             check_cloud_built(diags, known(&s.cloud))?;
-            s.id = Value::Unknown;
-            s.nodes = Value::Unknown;
-            s.node_count = Value::Unknown;
-            return Some((Value::Value(s), p, replace));
+            s.forget_computed();
+            return Some(replace);
         }
-        self.check_placement(diags, &s)?;
+        check_placement(engine, diags, s)?;
         let shape_changed = changed(&prior.availability_zones, &s.availability_zones)
             || changed(&prior.min_nodes, &s.min_nodes)
             || changed(&prior.max_nodes, &s.max_nodes)
             || changed(&prior.traffic_distributor_id, &s.traffic_distributor_id)
             || changed(&prior.node, &s.node);
-        if shape_changed || needs_healing(&prior) {
+        if shape_changed || needs_healing(prior) {
             s.nodes = Value::Unknown;
             s.node_count = Value::Unknown;
         }
-        Some((Value::Value(s), p, vec![]))
+        Some(vec![])
     }
 
-    async fn plan_destroy<'a>(
-        &self,
-        _d: &mut Diagnostics,
-        _prior: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<Self::PrivateState<'a>> {
-        Some(p)
+    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+        Ok(engine.group_view(id)?.as_ref().map(state_of))
     }
 
-    async fn create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&planned) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = match engine.declare_group(&spec_of(s)) {
-            Ok(id) => id,
-            Err(e) => {
-                engine_error(diags, "create autoscale group", e);
-                return None;
-            }
-        };
-        let brought_up = engine.reconcile_group(&id).await;
-        let state = self.observe(diags, &id)?;
-        if let Err(e) = brought_up {
-            // The group and its nodes exist: hand the state back with the error,
-            // so that Terraform records the group as tainted and the next apply
-            // replaces it, instead of forgetting what was created.
-            engine_error(diags, "create autoscale group", e);
-        }
-        Some((state, p))
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(engine.store.group_by_name(name)?.map(|r| r.id))
     }
 
-    async fn update<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let (Some(prior), Some(s)) = (known(&prior), known(&planned)) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = string(&prior.id);
-        done(
-            diags,
-            "update autoscale group",
-            engine.update_group(&id, &spec_of(s)).await,
-        )?;
-        Some((self.observe(diags, &id)?, p))
+    /// Records the group; `bring_up` then starts its nodes.
+    async fn create(engine: &Engine, spec: &GroupSpec) -> Result<String, EngineError> {
+        engine.declare_group(spec)
     }
 
-    async fn destroy<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        _p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<()> {
-        let Some(prior) = known(&prior) else {
-            return Some(());
-        };
-        let engine = engine(&self.0, diags)?;
-        done(
-            diags,
-            "destroy autoscale group",
-            engine.delete_group(&string(&prior.id)).await,
-        )
+    /// Brings every AZ to `min_nodes` and waits until the nodes serve. If this
+    /// fails, the group is tainted and the next apply replaces it.
+    async fn bring_up(engine: &Engine, id: &str) -> Result<(), EngineError> {
+        engine.reconcile_group(id).await
     }
 
-    async fn import<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        name: String,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let engine = engine(&self.0, diags)?;
-        let id = import_id(
-            diags,
-            "autoscale group",
-            &name,
-            engine.store.group_by_name(&name).map(|r| r.map(|r| r.id)),
-        )?;
-        Some((self.observe(diags, &id)?, Value::Null))
+    async fn update(engine: &Engine, id: &str, spec: &GroupSpec) -> Result<(), EngineError> {
+        engine.update_group(id, spec).await
+    }
+
+    async fn delete(engine: &Engine, id: &str) -> Result<(), EngineError> {
+        engine.delete_group(id).await
     }
 }

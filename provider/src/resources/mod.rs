@@ -1,12 +1,13 @@
 //! The four resources. Each keeps its Terraform state shape here and hands the
-//! work to the engine; no decision logic lives in the provider.
+//! work to the engine; no decision logic lives in the provider. The Terraform
+//! plumbing they share is [`managed::Managed`].
 
 pub mod distributor;
 pub mod group;
+pub mod managed;
 pub mod se_group;
 pub mod vserver;
 
-use crate::common::root_error;
 use tf_provider::Diagnostics;
 
 /// Refuses clouds whose driver is not built yet, at plan time rather than apply.
@@ -23,13 +24,4 @@ pub fn check_cloud_built(diags: &mut Diagnostics, cloud: Option<&String>) -> Opt
         }
         _ => Some(()),
     }
-}
-
-/// A state that deserialised as null where an object was expected.
-pub fn missing_state(diags: &mut Diagnostics) {
-    root_error(
-        diags,
-        "Missing state",
-        "Terraform sent no state for this resource",
-    )
 }

@@ -1,15 +1,17 @@
 //! `lbscale_se_group`: how a vserver scales out across the nodes of a group.
 
-use super::missing_state;
+use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{Finding, Findings, PathStep, SeGroupSpec, SCALING_MODES};
+use lbscale_engine::store::StoreError;
+use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
-use tf_provider::schema::{AttributeType, Schema};
-use tf_provider::value::{Value, ValueEmpty};
-use tf_provider::{AttributePath, Diagnostics, Resource};
+use tf_provider::schema::{AttributeType, Block};
+use tf_provider::value::Value;
+use tf_provider::{AttributePath, Diagnostics};
 
-pub struct SeGroupResource(pub EngineHandle);
+pub struct SeGroup;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct State {
@@ -33,308 +35,191 @@ fn apply_defaults(s: &mut State) {
     default_to(&mut s.primary_forwarding_cost, Number(0.3));
 }
 
-fn validate(s: &State) -> Findings {
-    let mut f = Findings::default();
-    if let Some(n) = known(&s.name) {
-        f.name(n);
+/// The engine's rules against the store, checked at plan time once the group id is known.
+fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) -> Option<()> {
+    if s.autoscale_group_id.is_unknown() {
+        return Some(());
     }
-    if let Some(m) = known(&s.scaling_mode) {
-        f.one_of(
-            vec![PathStep::Attr("scaling_mode")],
-            "scaling_mode",
-            m,
-            SCALING_MODES,
-        );
-    }
-    let min = if s.min_scaleout_per_vs.is_null() {
-        Some(1)
-    } else {
-        known(&s.min_scaleout_per_vs).copied()
-    };
-    let max = if s.max_scaleout_per_vs.is_null() {
-        Some(4)
-    } else {
-        known(&s.max_scaleout_per_vs).copied()
-    };
-    if let Some(v) = min {
-        f.range(
-            vec![PathStep::Attr("min_scaleout_per_vs")],
-            "min_scaleout_per_vs",
-            v,
-            1,
-            64,
-        );
-    }
-    if let Some(v) = max {
-        f.range(
-            vec![PathStep::Attr("max_scaleout_per_vs")],
-            "max_scaleout_per_vs",
-            v,
-            1,
-            64,
-        );
-    }
-    if let (Some(a), Some(b)) = (min, max) {
-        if a > b {
-            f.0.push(Finding::error(
-                vec![PathStep::Attr("min_scaleout_per_vs")],
-                "Invalid scale-out bounds",
-                format!("min_scaleout_per_vs must be less than or equal to max_scaleout_per_vs, got {a} and {b}."),
-            ));
-        }
-    }
-    if let Some(t) = known(&s.vs_scalein_timeout) {
-        f.duration(
-            vec![PathStep::Attr("vs_scalein_timeout")],
-            "vs_scalein_timeout",
-            t,
-        );
-    }
-    if let Some(m) = known(&s.se_tunnel_mode) {
-        f.range(
-            vec![PathStep::Attr("se_tunnel_mode")],
-            "se_tunnel_mode",
-            *m,
-            0,
-            2,
-        );
-    }
-    if let Some(Number(c)) = known(&s.primary_forwarding_cost) {
-        if !(*c > 0.0 && *c < 1.0) {
-            f.0.push(Finding::error(
-                vec![PathStep::Attr("primary_forwarding_cost")],
-                "Invalid primary_forwarding_cost",
-                format!(
-                    "primary_forwarding_cost must be between 0 and 1 (both excluded), got {c}."
-                ),
-            ));
-        }
-    }
-    f
-}
-
-fn spec_of(s: &State) -> SeGroupSpec {
-    SeGroupSpec {
-        name: string(&s.name),
-        autoscale_group_id: string(&s.autoscale_group_id),
-        scaling_mode: string(&s.scaling_mode),
-        min_scaleout_per_vs: known(&s.min_scaleout_per_vs).copied().unwrap_or(1),
-        max_scaleout_per_vs: known(&s.max_scaleout_per_vs).copied().unwrap_or(4),
-        vs_scalein_timeout: string(&s.vs_scalein_timeout),
-        se_tunnel_mode: known(&s.se_tunnel_mode).copied().unwrap_or(0),
-        primary_forwarding_cost: known(&s.primary_forwarding_cost).map_or(0.3, |n| n.0),
-    }
-}
-
-impl SeGroupResource {
-    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<State>> {
-        let engine = engine(&self.0, diags)?;
-        match engine.store.se_group(id) {
-            Ok(None) => Some(Value::Null),
-            Ok(Some(r)) => Some(Value::Value(State {
-                id: Value::Value(r.id),
-                name: Value::Value(r.spec.name),
-                autoscale_group_id: Value::Value(r.spec.autoscale_group_id),
-                scaling_mode: Value::Value(r.spec.scaling_mode),
-                min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs),
-                max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs),
-                vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout),
-                se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode),
-                primary_forwarding_cost: Value::Value(Number(r.spec.primary_forwarding_cost)),
-            })),
-            Err(e) => {
-                engine_error(diags, "read SE group", e.into());
-                None
-            }
-        }
-    }
-
-    fn check(&self, diags: &mut Diagnostics, s: &State) -> Option<()> {
-        if s.autoscale_group_id.is_unknown() {
-            return Some(());
-        }
-        let engine = engine(&self.0, diags)?;
-        let findings = done(diags, "check SE group", engine.check_se_group(&spec_of(s)))?;
-        report(diags, findings)
-    }
+    plan_check(engine, diags, "check SE group", |e| {
+        e.check_se_group(&SeGroup::spec_of(s))
+    })
 }
 
 #[async_trait]
-impl Resource for SeGroupResource {
-    type State<'a> = Value<State>;
-    type PrivateState<'a> = ValueEmpty;
-    type ProviderMetaState<'a> = ValueEmpty;
+impl ManagedObject for SeGroup {
+    type State = State;
+    type Spec = SeGroupSpec;
+    const KIND: &'static str = "SE group";
 
-    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
-        Some(Schema {
-            version: 1,
-            block: block(
-                "The placement and scale-out policy of vservers across the nodes of an autoscale group.",
-                vec![
-                    ("id", id_attr()),
-                    ("name", required(AttributeType::String, "Name of the SE group; can change in place.")),
-                    ("autoscale_group_id", required(AttributeType::String, "Id of the `lbscale_autoscale_group` whose nodes serve this SE group's vservers; changing it moves the vservers.")),
-                    ("scaling_mode", defaulted(AttributeType::String, "`native` (the primary forwards a share to secondaries), `bgp` (ECMP over every node) or `native_and_bgp`. Default `native`.")),
-                    ("min_scaleout_per_vs", defaulted(AttributeType::Number, "Fewest nodes a vserver is placed on. Default 1.")),
-                    ("max_scaleout_per_vs", defaulted(AttributeType::Number, "Most nodes a vserver is placed on. Default 4; 1 <= min <= max <= 64.")),
-                    ("vs_scalein_timeout", defaulted(AttributeType::String, "How long a secondary leaving a vserver keeps its connections. Default `\"30s\"`.")),
-                    ("se_tunnel_mode", defaulted(AttributeType::Number, "0 auto (default), 1 tunnel, 2 no tunnel (direct return). Takes effect when the nodes restart.")),
-                    ("primary_forwarding_cost", defaulted(AttributeType::Number, "Cost of forwarding a connection on the primary, as a fraction of serving one; 0 < x < 1. Default 0.3.")),
-                ],
-                vec![],
-            ),
-        })
-    }
-
-    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::State<'a>) -> Option<()> {
-        let Some(c) = known(&config) else {
-            return Some(());
-        };
-        report(diags, validate(c))
-    }
-
-    async fn read<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        state: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&state) else {
-            return Some((Value::Null, p));
-        };
-        Some((self.observe(diags, &string(&s.id))?, p))
-    }
-
-    async fn plan_create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Value::Value(mut s) = proposed else {
-            return Some((proposed, Value::Null));
-        };
-        apply_defaults(&mut s);
-        self.check(diags, &s)?;
-        s.id = Value::Unknown;
-        Some((Value::Value(s), Value::Null))
-    }
-
-    async fn plan_update<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
-        let (Value::Value(prior), Value::Value(mut s)) = (prior, proposed) else {
-            missing_state(diags);
-            return None;
-        };
-        apply_defaults(&mut s);
-        self.check(diags, &s)?;
-        if changed(&prior.se_tunnel_mode, &s.se_tunnel_mode) {
-            // Shown in the plan: the apply restarts the group's nodes.
-            diags.add_warning(tf_provider::Diagnostic {
-                summary: "se_tunnel_mode change: rolling restart".into(),
-                detail: "Nodes read se_tunnel_mode only when they start: this apply restarts every node of the autoscale group, one at a time (a new node joins and serves before each old one is drained and removed).".into(),
-                attribute: AttributePath::new("se_tunnel_mode"),
-            });
-        }
-        Some((Value::Value(s), p, vec![]))
-    }
-
-    async fn plan_destroy<'a>(
-        &self,
-        _d: &mut Diagnostics,
-        _prior: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<Self::PrivateState<'a>> {
-        Some(p)
-    }
-
-    async fn create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&planned) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = done(
-            diags,
-            "create SE group",
-            engine.create_se_group(&spec_of(s)).await,
-        )?;
-        Some((self.observe(diags, &id)?, p))
-    }
-
-    async fn update<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let (Some(prior), Some(s)) = (known(&prior), known(&planned)) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = string(&prior.id);
-        done(
-            diags,
-            "update SE group",
-            engine.update_se_group(&id, &spec_of(s)).await,
-        )?;
-        Some((self.observe(diags, &id)?, p))
-    }
-
-    async fn destroy<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        _p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<()> {
-        let Some(prior) = known(&prior) else {
-            return Some(());
-        };
-        let engine = engine(&self.0, diags)?;
-        done(
-            diags,
-            "destroy SE group",
-            engine.delete_se_group(&string(&prior.id)).await,
+    fn schema() -> Block {
+        block(
+            "The placement and scale-out policy of vservers across the nodes of an autoscale group.",
+            vec![
+                ("id", id_attr()),
+                ("name", required(AttributeType::String, "Name of the SE group; can change in place.")),
+                ("autoscale_group_id", required(AttributeType::String, "Id of the `lbscale_autoscale_group` whose nodes serve this SE group's vservers; changing it moves the vservers.")),
+                ("scaling_mode", defaulted(AttributeType::String, "`native` (the primary forwards a share to secondaries), `bgp` (ECMP over every node) or `native_and_bgp`. Default `native`.")),
+                ("min_scaleout_per_vs", defaulted(AttributeType::Number, "Fewest nodes a vserver is placed on. Default 1.")),
+                ("max_scaleout_per_vs", defaulted(AttributeType::Number, "Most nodes a vserver is placed on. Default 4; 1 <= min <= max <= 64.")),
+                ("vs_scalein_timeout", defaulted(AttributeType::String, "How long a secondary leaving a vserver keeps its connections. Default `\"30s\"`.")),
+                ("se_tunnel_mode", defaulted(AttributeType::Number, "0 auto (default), 1 tunnel, 2 no tunnel (direct return). Takes effect when the nodes restart.")),
+                ("primary_forwarding_cost", defaulted(AttributeType::Number, "Cost of forwarding a connection on the primary, as a fraction of serving one; 0 < x < 1. Default 0.3.")),
+            ],
+            vec![],
         )
     }
 
-    async fn import<'a>(
-        &self,
+    fn validate(s: &State) -> Findings {
+        let mut f = Findings::default();
+        if let Some(n) = known(&s.name) {
+            f.name(n);
+        }
+        if let Some(m) = known(&s.scaling_mode) {
+            f.one_of(
+                vec![PathStep::Attr("scaling_mode")],
+                "scaling_mode",
+                m,
+                SCALING_MODES,
+            );
+        }
+        let min = if s.min_scaleout_per_vs.is_null() {
+            Some(1)
+        } else {
+            known(&s.min_scaleout_per_vs).copied()
+        };
+        let max = if s.max_scaleout_per_vs.is_null() {
+            Some(4)
+        } else {
+            known(&s.max_scaleout_per_vs).copied()
+        };
+        if let Some(v) = min {
+            f.range(
+                vec![PathStep::Attr("min_scaleout_per_vs")],
+                "min_scaleout_per_vs",
+                v,
+                1,
+                64,
+            );
+        }
+        if let Some(v) = max {
+            f.range(
+                vec![PathStep::Attr("max_scaleout_per_vs")],
+                "max_scaleout_per_vs",
+                v,
+                1,
+                64,
+            );
+        }
+        if let (Some(a), Some(b)) = (min, max) {
+            if a > b {
+                f.0.push(Finding::error(
+                    vec![PathStep::Attr("min_scaleout_per_vs")],
+                    "Invalid scale-out bounds",
+                    format!("min_scaleout_per_vs must be less than or equal to max_scaleout_per_vs, got {a} and {b}."),
+                ));
+            }
+        }
+        if let Some(t) = known(&s.vs_scalein_timeout) {
+            f.duration(
+                vec![PathStep::Attr("vs_scalein_timeout")],
+                "vs_scalein_timeout",
+                t,
+            );
+        }
+        if let Some(m) = known(&s.se_tunnel_mode) {
+            f.range(
+                vec![PathStep::Attr("se_tunnel_mode")],
+                "se_tunnel_mode",
+                *m,
+                0,
+                2,
+            );
+        }
+        if let Some(Number(c)) = known(&s.primary_forwarding_cost) {
+            if !(*c > 0.0 && *c < 1.0) {
+                f.0.push(Finding::error(
+                    vec![PathStep::Attr("primary_forwarding_cost")],
+                    "Invalid primary_forwarding_cost",
+                    format!(
+                        "primary_forwarding_cost must be between 0 and 1 (both excluded), got {c}."
+                    ),
+                ));
+            }
+        }
+        f
+    }
+
+    fn id(state: &State) -> String {
+        string(&state.id)
+    }
+
+    fn spec_of(s: &State) -> SeGroupSpec {
+        SeGroupSpec {
+            name: string(&s.name),
+            autoscale_group_id: string(&s.autoscale_group_id),
+            scaling_mode: string(&s.scaling_mode),
+            min_scaleout_per_vs: known(&s.min_scaleout_per_vs).copied().unwrap_or(1),
+            max_scaleout_per_vs: known(&s.max_scaleout_per_vs).copied().unwrap_or(4),
+            vs_scalein_timeout: string(&s.vs_scalein_timeout),
+            se_tunnel_mode: known(&s.se_tunnel_mode).copied().unwrap_or(0),
+            primary_forwarding_cost: known(&s.primary_forwarding_cost).map_or(0.3, |n| n.0),
+        }
+    }
+
+    fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
+        apply_defaults(s);
+        check_placement(engine, diags, s)?;
+        s.id = Value::Unknown;
+        Some(())
+    }
+
+    fn plan_update(
+        engine: &EngineHandle,
         diags: &mut Diagnostics,
-        name: String,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let engine = engine(&self.0, diags)?;
-        let id = import_id(
-            diags,
-            "SE group",
-            &name,
-            engine
-                .store
-                .se_group_by_name(&name)
-                .map(|r| r.map(|r| r.id)),
-        )?;
-        Some((self.observe(diags, &id)?, Value::Null))
+        prior: &State,
+        s: &mut State,
+    ) -> Option<Vec<AttributePath>> {
+        apply_defaults(s);
+        check_placement(engine, diags, s)?;
+        if changed(&prior.se_tunnel_mode, &s.se_tunnel_mode) {
+            // Shown in the plan: the apply restarts the group's nodes.
+            warning(
+                diags,
+                attr_path("se_tunnel_mode"),
+                "se_tunnel_mode change: rolling restart",
+                "Nodes read se_tunnel_mode only when they start: this apply restarts every node of the autoscale group, one at a time (a new node joins and serves before each old one is drained and removed).",
+            );
+        }
+        Some(vec![])
+    }
+
+    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+        Ok(engine.store.se_group(id)?.map(|r| State {
+            id: Value::Value(r.id),
+            name: Value::Value(r.spec.name),
+            autoscale_group_id: Value::Value(r.spec.autoscale_group_id),
+            scaling_mode: Value::Value(r.spec.scaling_mode),
+            min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs),
+            max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs),
+            vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout),
+            se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode),
+            primary_forwarding_cost: Value::Value(Number(r.spec.primary_forwarding_cost)),
+        }))
+    }
+
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(engine.store.se_group_by_name(name)?.map(|r| r.id))
+    }
+
+    async fn create(engine: &Engine, spec: &SeGroupSpec) -> Result<String, EngineError> {
+        engine.create_se_group(spec).await
+    }
+
+    async fn update(engine: &Engine, id: &str, spec: &SeGroupSpec) -> Result<(), EngineError> {
+        engine.update_se_group(id, spec).await
+    }
+
+    async fn delete(engine: &Engine, id: &str) -> Result<(), EngineError> {
+        engine.delete_se_group(id).await
     }
 }

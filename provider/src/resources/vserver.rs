@@ -1,20 +1,22 @@
 //! `lbscale_vserver`: a VIP:port with a protocol, an LB method, its services
 //! (backends) and slow start, placed on the nodes of an SE group's autoscale group.
 
-use super::missing_state;
+use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{
     Finding, Findings, PathStep, ServiceSpec, SlowStartSpec, VserverSpec, LB_METHODS, PERSISTENCE,
     SERVICE_TYPES, SLOW_START_UNITS,
 };
+use lbscale_engine::store::StoreError;
+use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use tf_provider::schema::{AttributeType, NestedBlock, Schema};
-use tf_provider::value::{Value, ValueEmpty};
-use tf_provider::{AttributePath, Diagnostics, Resource};
+use tf_provider::schema::{AttributeType, Block, NestedBlock};
+use tf_provider::value::Value;
+use tf_provider::{AttributePath, Diagnostics};
 
-pub struct VserverResource(pub EngineHandle);
+pub struct Vserver;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ServiceBlock {
@@ -87,137 +89,6 @@ fn summary(s: &State) -> Value<String> {
     ))
 }
 
-fn validate(s: &State) -> Findings {
-    let mut f = Findings::default();
-    if let Some(n) = known(&s.name) {
-        f.name(n);
-    }
-    if let Some(t) = known(&s.service_type) {
-        f.one_of(
-            vec![PathStep::Attr("service_type")],
-            "service_type",
-            t,
-            SERVICE_TYPES,
-        );
-    }
-    if let Some(p) = known(&s.port) {
-        f.range(vec![PathStep::Attr("port")], "port", *p, 1, 65535);
-    }
-    if let Some(m) = known(&s.lb_method) {
-        f.one_of(
-            vec![PathStep::Attr("lb_method")],
-            "lb_method",
-            m,
-            LB_METHODS,
-        );
-    }
-    if let Some(p) = known(&s.persistence) {
-        f.one_of(
-            vec![PathStep::Attr("persistence")],
-            "persistence",
-            p,
-            PERSISTENCE,
-        );
-    }
-    if let Some(services) = known(&s.service) {
-        for (i, svc) in services.iter().enumerate() {
-            let at = |a| {
-                vec![
-                    PathStep::Attr("service"),
-                    PathStep::Index(i),
-                    PathStep::Attr(a),
-                ]
-            };
-            if let Some(p) = known(&svc.port) {
-                f.range(at("port"), "service.port", *p, 1, 65535);
-            }
-            if let Some(w) = known(&svc.weight) {
-                f.range(at("weight"), "service.weight", *w, 1, 100);
-            }
-            if let Some(a) = known(&svc.address) {
-                if a.is_empty() {
-                    f.0.push(Finding::error(
-                        at("address"),
-                        "Invalid service address",
-                        "service.address must be a host name or IP address, got \"\".",
-                    ));
-                }
-            }
-            if let Some(n) = known(&svc.name) {
-                if services[..i].iter().any(|o| known(&o.name) == Some(n)) {
-                    f.0.push(Finding::error(at("name"), "Duplicate service name", format!("service names must be unique within a vserver; {n:?} appears more than once.")));
-                }
-            }
-        }
-    }
-    if let Some(ss) = known(&s.slow_start) {
-        for (i, b) in ss.iter().enumerate() {
-            let at = |a| {
-                vec![
-                    PathStep::Attr("slow_start"),
-                    PathStep::Index(i),
-                    PathStep::Attr(a),
-                ]
-            };
-            if let Some(r) = known(&b.new_service_request) {
-                if *r < 0 {
-                    f.0.push(Finding::error(
-                        at("new_service_request"),
-                        "Invalid new_service_request",
-                        format!("slow_start.new_service_request must be 0 or more, got {r}."),
-                    ));
-                }
-            }
-            if let Some(u) = known(&b.unit) {
-                f.one_of(at("unit"), "slow_start.unit", u, SLOW_START_UNITS);
-            }
-            if let Some(iv) = known(&b.increment_interval) {
-                f.range(
-                    at("increment_interval"),
-                    "slow_start.increment_interval",
-                    *iv,
-                    0,
-                    3600,
-                );
-            }
-        }
-    }
-    f
-}
-
-fn spec_of(s: &State) -> VserverSpec {
-    VserverSpec {
-        name: string(&s.name),
-        se_group_id: string(&s.se_group_id),
-        service_type: string(&s.service_type),
-        port: known(&s.port).copied().unwrap_or(0),
-        lb_method: string(&s.lb_method),
-        persistence: string(&s.persistence),
-        services: known(&s.service)
-            .map(|v| {
-                v.iter()
-                    .map(|svc| ServiceSpec {
-                        name: string(&svc.name),
-                        address: string(&svc.address),
-                        port: known(&svc.port).copied().unwrap_or(0),
-                        weight: known(&svc.weight).copied().unwrap_or(1),
-                        enabled: known(&svc.enabled).copied().unwrap_or(true),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        slow_start: known(&s.slow_start)
-            .and_then(|v| v.first())
-            .map(|b| SlowStartSpec {
-                new_service_request: known(&b.new_service_request).copied().unwrap_or(0),
-                unit: known(&b.unit)
-                    .cloned()
-                    .unwrap_or_else(|| "PER_SECOND".into()),
-                increment_interval: known(&b.increment_interval).copied().unwrap_or(0),
-            }),
-    }
-}
-
 fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> State {
     let mut s = State {
         id: Value::Value(id),
@@ -256,234 +127,247 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
     s
 }
 
-impl VserverResource {
-    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<State>> {
-        let engine = engine(&self.0, diags)?;
-        let row = match engine.store.vserver(id) {
-            Ok(None) => return Some(Value::Null),
-            Ok(Some(r)) => r,
-            Err(e) => {
-                engine_error(diags, "read vserver", e.into());
-                return None;
-            }
-        };
-        match engine.vserver_vips(&row.spec) {
-            Ok(vip) => Some(Value::Value(state_of(row.id, row.spec, vip))),
-            Err(e) => {
-                engine_error(diags, "read vserver", e);
-                None
-            }
-        }
+/// The engine's rules against the store, checked at plan time once the values they need are known.
+fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) -> Option<()> {
+    if s.se_group_id.is_unknown() || s.service_type.is_unknown() || s.persistence.is_unknown() {
+        return Some(());
     }
-
-    fn check(&self, diags: &mut Diagnostics, s: &State) -> Option<()> {
-        if s.se_group_id.is_unknown() || s.service_type.is_unknown() || s.persistence.is_unknown() {
-            return Some(());
-        }
-        let engine = engine(&self.0, diags)?;
-        let findings = done(diags, "check vserver", engine.check_vserver(&spec_of(s)))?;
-        report(diags, findings)
-    }
+    plan_check(engine, diags, "check vserver", |e| {
+        e.check_vserver(&Vserver::spec_of(s))
+    })
 }
 
 #[async_trait]
-impl Resource for VserverResource {
-    type State<'a> = Value<State>;
-    type PrivateState<'a> = ValueEmpty;
-    type ProviderMetaState<'a> = ValueEmpty;
+impl ManagedObject for Vserver {
+    type State = State;
+    type Spec = VserverSpec;
+    const KIND: &'static str = "vserver";
 
-    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
-        Some(Schema {
-            version: 1,
-            block: block(
-                "A virtual server: a port with a protocol, an LB method, bound services (backends) and slow start, served by every node of its SE group's autoscale group.",
-                vec![
-                    ("id", id_attr()),
-                    ("name", required(AttributeType::String, "Name of the vserver; can change in place.")),
-                    ("se_group_id", required(AttributeType::String, "Id of the `lbscale_se_group` that places this vserver.")),
-                    ("service_type", required(AttributeType::String, "`HTTP`, `TCP` or `UDP` (UDP needs a `dns` distributor).")),
-                    ("port", required(AttributeType::Number, "Port the vserver listens on, 1-65535.")),
-                    ("lb_method", defaulted(AttributeType::String, "`LEASTCONNECTION` (default), `ROUNDROBIN`, `LEASTRESPONSETIME`, `LEASTBANDWIDTH`, `LEASTPACKETS`, `LRTM` or `CUSTOMLOAD`.")),
-                    ("persistence", defaulted(AttributeType::String, "`NONE` (default), `COOKIE` or `SOURCEIP` (kept per AZ cluster only).")),
-                    ("vip", computed(AttributeType::Map(Box::new(AttributeType::String)), "Where clients reach the vserver in each AZ: the AZ's VIP (`nlb`) or the application's domain (`dns`), with the port.")),
-                    ("slow_start_summary", computed(AttributeType::String, "The slow-start settings as operators read them back, e.g. `New Service Startup Request Rate: 5 PER_SECOND, Increment Interval: 10`.")),
-                ],
-                vec![
-                    (
-                        "service",
-                        NestedBlock::List(block(
-                            "A backend bound to the vserver.",
-                            vec![
-                                ("name", required(AttributeType::String, "Name of the service, unique within the vserver.")),
-                                ("address", required(AttributeType::String, "Host or IP address of the backend.")),
-                                ("port", required(AttributeType::Number, "Port of the backend, 1-65535.")),
-                                ("weight", defaulted(AttributeType::Number, "Relative share of the load, 1-100. Default 1.")),
-                                ("enabled", defaulted(AttributeType::Bool, "A disabled service gets no traffic. Default true.")),
-                            ],
-                            vec![],
-                        )),
-                    ),
-                    (
-                        "slow_start",
-                        NestedBlock::Optional(block(
-                            "How a new service (just bound, or back UP) ramps up.",
-                            vec![
-                                ("new_service_request", defaulted(AttributeType::Number, "The amount a new service's load grows each step (0 disables slow start). Default 0.")),
-                                ("unit", defaulted(AttributeType::String, "`PER_SECOND` (requests per second, default) or `PERCENT` (of an existing service's load).")),
-                                ("increment_interval", defaulted(AttributeType::Number, "Seconds between steps, 0-3600; 0 is manual slow start. Default 0.")),
-                            ],
-                            vec![],
-                        )),
-                    ),
-                ],
-            ),
-        })
-    }
-
-    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::State<'a>) -> Option<()> {
-        let Some(c) = known(&config) else {
-            return Some(());
-        };
-        report(diags, validate(c))
-    }
-
-    async fn read<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        state: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&state) else {
-            return Some((Value::Null, p));
-        };
-        Some((self.observe(diags, &string(&s.id))?, p))
-    }
-
-    async fn plan_create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Value::Value(mut s) = proposed else {
-            return Some((proposed, Value::Null));
-        };
-        apply_defaults(&mut s);
-        self.check(diags, &s)?;
-        s.id = Value::Unknown;
-        s.vip = Value::Unknown;
-        s.slow_start_summary = summary(&s);
-        Some((Value::Value(s), Value::Null))
-    }
-
-    async fn plan_update<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        proposed: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
-        let (Value::Value(prior), Value::Value(mut s)) = (prior, proposed) else {
-            missing_state(diags);
-            return None;
-        };
-        apply_defaults(&mut s);
-        self.check(diags, &s)?;
-        if changed(&prior.se_group_id, &s.se_group_id) || changed(&prior.port, &s.port) {
-            s.vip = Value::Unknown;
-        }
-        s.slow_start_summary = summary(&s);
-        Some((Value::Value(s), p, vec![]))
-    }
-
-    async fn plan_destroy<'a>(
-        &self,
-        _d: &mut Diagnostics,
-        _prior: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<Self::PrivateState<'a>> {
-        Some(p)
-    }
-
-    async fn create<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let Some(s) = known(&planned) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = done(
-            diags,
-            "create vserver",
-            engine.create_vserver(&spec_of(s)).await,
-        )?;
-        Some((self.observe(diags, &id)?, p))
-    }
-
-    async fn update<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        planned: Self::State<'a>,
-        _c: Self::State<'a>,
-        p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let (Some(prior), Some(s)) = (known(&prior), known(&planned)) else {
-            missing_state(diags);
-            return None;
-        };
-        let engine = engine(&self.0, diags)?;
-        let id = string(&prior.id);
-        done(
-            diags,
-            "update vserver",
-            engine.update_vserver(&id, &spec_of(s)).await,
-        )?;
-        Some((self.observe(diags, &id)?, p))
-    }
-
-    async fn destroy<'a>(
-        &self,
-        diags: &mut Diagnostics,
-        prior: Self::State<'a>,
-        _p: Self::PrivateState<'a>,
-        _m: Self::ProviderMetaState<'a>,
-    ) -> Option<()> {
-        let Some(prior) = known(&prior) else {
-            return Some(());
-        };
-        let engine = engine(&self.0, diags)?;
-        done(
-            diags,
-            "destroy vserver",
-            engine.delete_vserver(&string(&prior.id)).await,
+    fn schema() -> Block {
+        block(
+            "A virtual server: a port with a protocol, an LB method, bound services (backends) and slow start, served by every node of its SE group's autoscale group.",
+            vec![
+                ("id", id_attr()),
+                ("name", required(AttributeType::String, "Name of the vserver; can change in place.")),
+                ("se_group_id", required(AttributeType::String, "Id of the `lbscale_se_group` that places this vserver.")),
+                ("service_type", required(AttributeType::String, "`HTTP`, `TCP` or `UDP` (UDP needs a `dns` distributor).")),
+                ("port", required(AttributeType::Number, "Port the vserver listens on, 1-65535.")),
+                ("lb_method", defaulted(AttributeType::String, "`LEASTCONNECTION` (default), `ROUNDROBIN`, `LEASTRESPONSETIME`, `LEASTBANDWIDTH`, `LEASTPACKETS`, `LRTM` or `CUSTOMLOAD`.")),
+                ("persistence", defaulted(AttributeType::String, "`NONE` (default), `COOKIE` or `SOURCEIP` (kept per AZ cluster only).")),
+                ("vip", computed(AttributeType::Map(Box::new(AttributeType::String)), "Where clients reach the vserver in each AZ: the AZ's VIP (`nlb`) or the application's domain (`dns`), with the port.")),
+                ("slow_start_summary", computed(AttributeType::String, "The slow-start settings as operators read them back, e.g. `New Service Startup Request Rate: 5 PER_SECOND, Increment Interval: 10`.")),
+            ],
+            vec![
+                (
+                    "service",
+                    NestedBlock::List(block(
+                        "A backend bound to the vserver.",
+                        vec![
+                            ("name", required(AttributeType::String, "Name of the service, unique within the vserver.")),
+                            ("address", required(AttributeType::String, "Host or IP address of the backend.")),
+                            ("port", required(AttributeType::Number, "Port of the backend, 1-65535.")),
+                            ("weight", defaulted(AttributeType::Number, "Relative share of the load, 1-100. Default 1.")),
+                            ("enabled", defaulted(AttributeType::Bool, "A disabled service gets no traffic. Default true.")),
+                        ],
+                        vec![],
+                    )),
+                ),
+                (
+                    "slow_start",
+                    NestedBlock::Optional(block(
+                        "How a new service (just bound, or back UP) ramps up.",
+                        vec![
+                            ("new_service_request", defaulted(AttributeType::Number, "The amount a new service's load grows each step (0 disables slow start). Default 0.")),
+                            ("unit", defaulted(AttributeType::String, "`PER_SECOND` (requests per second, default) or `PERCENT` (of an existing service's load).")),
+                            ("increment_interval", defaulted(AttributeType::Number, "Seconds between steps, 0-3600; 0 is manual slow start. Default 0.")),
+                        ],
+                        vec![],
+                    )),
+                ),
+            ],
         )
     }
 
-    async fn import<'a>(
-        &self,
+    fn validate(s: &State) -> Findings {
+        let mut f = Findings::default();
+        if let Some(n) = known(&s.name) {
+            f.name(n);
+        }
+        if let Some(t) = known(&s.service_type) {
+            f.one_of(
+                vec![PathStep::Attr("service_type")],
+                "service_type",
+                t,
+                SERVICE_TYPES,
+            );
+        }
+        if let Some(p) = known(&s.port) {
+            f.range(vec![PathStep::Attr("port")], "port", *p, 1, 65535);
+        }
+        if let Some(m) = known(&s.lb_method) {
+            f.one_of(
+                vec![PathStep::Attr("lb_method")],
+                "lb_method",
+                m,
+                LB_METHODS,
+            );
+        }
+        if let Some(p) = known(&s.persistence) {
+            f.one_of(
+                vec![PathStep::Attr("persistence")],
+                "persistence",
+                p,
+                PERSISTENCE,
+            );
+        }
+        if let Some(services) = known(&s.service) {
+            for (i, svc) in services.iter().enumerate() {
+                let at = |a| {
+                    vec![
+                        PathStep::Attr("service"),
+                        PathStep::Index(i),
+                        PathStep::Attr(a),
+                    ]
+                };
+                if let Some(p) = known(&svc.port) {
+                    f.range(at("port"), "service.port", *p, 1, 65535);
+                }
+                if let Some(w) = known(&svc.weight) {
+                    f.range(at("weight"), "service.weight", *w, 1, 100);
+                }
+                if let Some(a) = known(&svc.address) {
+                    if a.is_empty() {
+                        f.0.push(Finding::error(
+                            at("address"),
+                            "Invalid service address",
+                            "service.address must be a host name or IP address, got \"\".",
+                        ));
+                    }
+                }
+                if let Some(n) = known(&svc.name) {
+                    if services[..i].iter().any(|o| known(&o.name) == Some(n)) {
+                        f.0.push(Finding::error(at("name"), "Duplicate service name", format!("service names must be unique within a vserver; {n:?} appears more than once.")));
+                    }
+                }
+            }
+        }
+        if let Some(ss) = known(&s.slow_start) {
+            for (i, b) in ss.iter().enumerate() {
+                let at = |a| {
+                    vec![
+                        PathStep::Attr("slow_start"),
+                        PathStep::Index(i),
+                        PathStep::Attr(a),
+                    ]
+                };
+                if let Some(r) = known(&b.new_service_request) {
+                    if *r < 0 {
+                        f.0.push(Finding::error(
+                            at("new_service_request"),
+                            "Invalid new_service_request",
+                            format!("slow_start.new_service_request must be 0 or more, got {r}."),
+                        ));
+                    }
+                }
+                if let Some(u) = known(&b.unit) {
+                    f.one_of(at("unit"), "slow_start.unit", u, SLOW_START_UNITS);
+                }
+                if let Some(iv) = known(&b.increment_interval) {
+                    f.range(
+                        at("increment_interval"),
+                        "slow_start.increment_interval",
+                        *iv,
+                        0,
+                        3600,
+                    );
+                }
+            }
+        }
+        f
+    }
+
+    fn id(state: &State) -> String {
+        string(&state.id)
+    }
+
+    fn spec_of(s: &State) -> VserverSpec {
+        VserverSpec {
+            name: string(&s.name),
+            se_group_id: string(&s.se_group_id),
+            service_type: string(&s.service_type),
+            port: known(&s.port).copied().unwrap_or(0),
+            lb_method: string(&s.lb_method),
+            persistence: string(&s.persistence),
+            services: known(&s.service)
+                .map(|v| {
+                    v.iter()
+                        .map(|svc| ServiceSpec {
+                            name: string(&svc.name),
+                            address: string(&svc.address),
+                            port: known(&svc.port).copied().unwrap_or(0),
+                            weight: known(&svc.weight).copied().unwrap_or(1),
+                            enabled: known(&svc.enabled).copied().unwrap_or(true),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            slow_start: known(&s.slow_start)
+                .and_then(|v| v.first())
+                .map(|b| SlowStartSpec {
+                    new_service_request: known(&b.new_service_request).copied().unwrap_or(0),
+                    unit: known(&b.unit)
+                        .cloned()
+                        .unwrap_or_else(|| "PER_SECOND".into()),
+                    increment_interval: known(&b.increment_interval).copied().unwrap_or(0),
+                }),
+        }
+    }
+
+    fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
+        apply_defaults(s);
+        check_placement(engine, diags, s)?;
+        s.id = Value::Unknown;
+        s.vip = Value::Unknown;
+        s.slow_start_summary = summary(s);
+        Some(())
+    }
+
+    fn plan_update(
+        engine: &EngineHandle,
         diags: &mut Diagnostics,
-        name: String,
-    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
-        let engine = engine(&self.0, diags)?;
-        let id = import_id(
-            diags,
-            "vserver",
-            &name,
-            engine.store.vserver_by_name(&name).map(|r| r.map(|r| r.id)),
-        )?;
-        Some((self.observe(diags, &id)?, Value::Null))
+        prior: &State,
+        s: &mut State,
+    ) -> Option<Vec<AttributePath>> {
+        apply_defaults(s);
+        check_placement(engine, diags, s)?;
+        if changed(&prior.se_group_id, &s.se_group_id) || changed(&prior.port, &s.port) {
+            s.vip = Value::Unknown;
+        }
+        s.slow_start_summary = summary(s);
+        Some(vec![])
+    }
+
+    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+        let Some(row) = engine.store.vserver(id)? else {
+            return Ok(None);
+        };
+        let vip = engine.vserver_vips(&row.spec)?;
+        Ok(Some(state_of(row.id, row.spec, vip)))
+    }
+
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(engine.store.vserver_by_name(name)?.map(|r| r.id))
+    }
+
+    async fn create(engine: &Engine, spec: &VserverSpec) -> Result<String, EngineError> {
+        engine.create_vserver(spec).await
+    }
+
+    async fn update(engine: &Engine, id: &str, spec: &VserverSpec) -> Result<(), EngineError> {
+        engine.update_vserver(id, spec).await
+    }
+
+    async fn delete(engine: &Engine, id: &str) -> Result<(), EngineError> {
+        engine.delete_vserver(id).await
     }
 }

@@ -1,0 +1,245 @@
+//! The Terraform plumbing of an object the engine manages, written once: a
+//! resource says what is its own in [`ManagedObject`], and [`Managed`] turns
+//! that into tf-provider's `Resource` (reading the state Terraform sends,
+//! calling the engine, reading the object back after each change, diagnostics,
+//! import by name).
+
+use crate::common::*;
+use async_trait::async_trait;
+use lbscale_engine::model::Findings;
+use lbscale_engine::store::StoreError;
+use lbscale_engine::{Engine, EngineError};
+use serde::{de::DeserializeOwned, Serialize};
+use std::marker::PhantomData;
+use tf_provider::schema::{Block, Schema};
+use tf_provider::value::{Value, ValueEmpty};
+use tf_provider::{AttributePath, Diagnostics, Resource};
+
+/// What one resource type declares about itself.
+#[async_trait]
+pub trait ManagedObject: Send + Sync + 'static {
+    /// The resource's Terraform state.
+    type State: Serialize + DeserializeOwned + Send + Sync;
+    /// What the engine creates and updates the object from.
+    type Spec: Send + Sync;
+    /// The object's name in diagnostics: "create {KIND} failed", "Cannot import {KIND}".
+    const KIND: &'static str;
+
+    /// The schema's block; [`Managed`] gives it the schema version.
+    fn schema() -> Block;
+    /// The checks that need nothing but the configuration.
+    fn validate(config: &Self::State) -> Findings;
+    fn id(state: &Self::State) -> String;
+    fn spec_of(state: &Self::State) -> Self::Spec;
+
+    /// Plans a new object in place: defaults, plan-time checks, and the computed
+    /// attributes that only the apply knows (at least `id`) set unknown.
+    fn plan_create(
+        engine: &EngineHandle,
+        diags: &mut Diagnostics,
+        planned: &mut Self::State,
+    ) -> Option<()>;
+    /// Plans a change in place; returns the attributes whose change replaces the object.
+    fn plan_update(
+        engine: &EngineHandle,
+        diags: &mut Diagnostics,
+        prior: &Self::State,
+        planned: &mut Self::State,
+    ) -> Option<Vec<AttributePath>>;
+
+    /// The object as the engine sees it now; `None` when it is gone.
+    fn read(engine: &Engine, id: &str) -> Result<Option<Self::State>, EngineError>;
+    /// The id of the object with this name (`terraform import` names objects by name).
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError>;
+    /// Creates the object; returns its id.
+    async fn create(engine: &Engine, spec: &Self::Spec) -> Result<String, EngineError>;
+    /// The work after `create` that can fail once the object exists. Nothing by default.
+    async fn bring_up(_engine: &Engine, _id: &str) -> Result<(), EngineError> {
+        Ok(())
+    }
+    async fn update(engine: &Engine, id: &str, spec: &Self::Spec) -> Result<(), EngineError>;
+    async fn delete(engine: &Engine, id: &str) -> Result<(), EngineError>;
+}
+
+/// The tf-provider resource of a [`ManagedObject`].
+pub struct Managed<T> {
+    engine: EngineHandle,
+    object: PhantomData<fn() -> T>,
+}
+
+impl<T: ManagedObject> Managed<T> {
+    pub fn new(engine: EngineHandle) -> Self {
+        Managed {
+            engine,
+            object: PhantomData,
+        }
+    }
+
+    /// The state as the engine sees it now; `Null` when the object is gone.
+    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<T::State>> {
+        let engine = engine(&self.engine, diags)?;
+        let found = done(diags, &format!("read {}", T::KIND), T::read(&engine, id))?;
+        Some(found.into())
+    }
+}
+
+/// A state that deserialised as null where an object was expected.
+fn missing_state(diags: &mut Diagnostics) {
+    root_error(
+        diags,
+        "Missing state",
+        "Terraform sent no state for this resource",
+    )
+}
+
+#[async_trait]
+impl<T: ManagedObject> Resource for Managed<T> {
+    type State<'a> = Value<T::State>;
+    type PrivateState<'a> = ValueEmpty;
+    type ProviderMetaState<'a> = ValueEmpty;
+
+    fn schema(&self, _diags: &mut Diagnostics) -> Option<Schema> {
+        Some(Schema {
+            version: 1,
+            block: T::schema(),
+        })
+    }
+
+    async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::State<'a>) -> Option<()> {
+        let Some(c) = known(&config) else {
+            return Some(());
+        };
+        report(diags, T::validate(c))
+    }
+
+    async fn read<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        state: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Some(s) = known(&state) else {
+            return Some((Value::Null, p));
+        };
+        Some((self.observe(diags, &T::id(s))?, p))
+    }
+
+    async fn plan_create<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        proposed: Self::State<'a>,
+        _config: Self::State<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Value::Value(mut s) = proposed else {
+            return Some((proposed, Value::Null));
+        };
+        T::plan_create(&self.engine, diags, &mut s)?;
+        Some((Value::Value(s), Value::Null))
+    }
+
+    async fn plan_update<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        prior: Self::State<'a>,
+        proposed: Self::State<'a>,
+        _config: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>, Vec<AttributePath>)> {
+        let (Value::Value(prior), Value::Value(mut s)) = (prior, proposed) else {
+            missing_state(diags);
+            return None;
+        };
+        let replace = T::plan_update(&self.engine, diags, &prior, &mut s)?;
+        Some((Value::Value(s), p, replace))
+    }
+
+    async fn plan_destroy<'a>(
+        &self,
+        _diags: &mut Diagnostics,
+        _prior: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<Self::PrivateState<'a>> {
+        Some(p)
+    }
+
+    async fn create<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        planned: Self::State<'a>,
+        _config: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let Some(s) = known(&planned) else {
+            missing_state(diags);
+            return None;
+        };
+        let engine = engine(&self.engine, diags)?;
+        let what = format!("create {}", T::KIND);
+        let id = done(diags, &what, T::create(&engine, &T::spec_of(s)).await)?;
+        let brought_up = T::bring_up(&engine, &id).await;
+        let state = self.observe(diags, &id)?;
+        if let Err(e) = brought_up {
+            // The object exists: hand its state back with the error, so that
+            // Terraform records it as tainted and the next apply replaces it,
+            // instead of forgetting what was created.
+            engine_error(diags, &what, e);
+        }
+        Some((state, p))
+    }
+
+    async fn update<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        prior: Self::State<'a>,
+        planned: Self::State<'a>,
+        _config: Self::State<'a>,
+        p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let (Some(prior), Some(s)) = (known(&prior), known(&planned)) else {
+            missing_state(diags);
+            return None;
+        };
+        let engine = engine(&self.engine, diags)?;
+        let id = T::id(prior);
+        done(
+            diags,
+            &format!("update {}", T::KIND),
+            T::update(&engine, &id, &T::spec_of(s)).await,
+        )?;
+        Some((self.observe(diags, &id)?, p))
+    }
+
+    async fn destroy<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        prior: Self::State<'a>,
+        _p: Self::PrivateState<'a>,
+        _m: Self::ProviderMetaState<'a>,
+    ) -> Option<()> {
+        let Some(prior) = known(&prior) else {
+            return Some(());
+        };
+        let engine = engine(&self.engine, diags)?;
+        done(
+            diags,
+            &format!("destroy {}", T::KIND),
+            T::delete(&engine, &T::id(prior)).await,
+        )
+    }
+
+    async fn import<'a>(
+        &self,
+        diags: &mut Diagnostics,
+        name: String,
+    ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
+        let engine = engine(&self.engine, diags)?;
+        let id = import_id(diags, T::KIND, &name, T::find(&engine, &name))?;
+        Some((self.observe(diags, &id)?, Value::Null))
+    }
+}
