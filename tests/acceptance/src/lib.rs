@@ -214,6 +214,18 @@ provider "lbscale" {{
         lbscale_engine::store::Store::open(&self.dir.join(".lbscale/state.db")).expect("open store")
     }
 
+    /// The engine on this workspace's store and local cloud, as the daemon opens
+    /// it: to scale a group outside Terraform.
+    pub fn engine(&self) -> lbscale_engine::Engine {
+        let settings = lbscale_engine::cloud::local::LocalSettings {
+            address_prefix: self.prefix.clone(),
+            node_binary: Some(bin_dir().join("lbscale-node")),
+            ..Default::default()
+        };
+        lbscale_engine::Engine::open("sqlite://.lbscale/state.db", &self.dir, settings)
+            .expect("open the engine")
+    }
+
     /// A node's statistics, read from its management API with the group's token
     /// (as the daemon reads them).
     pub async fn node_stats(

@@ -3,8 +3,6 @@
 //! the daemon runs them) leave the plan empty.
 
 use lbscale_acceptance::*;
-use lbscale_engine::cloud::local::LocalSettings;
-use lbscale_engine::Engine;
 use std::process::Command;
 
 const CONFIG: &str = r#"
@@ -65,12 +63,7 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
         .to_string();
 
     // What the daemon does between applies, through the same engine and store.
-    let settings = LocalSettings {
-        address_prefix: ws.prefix.clone(),
-        node_binary: Some(bin_dir().join("lbscale-node")),
-        ..LocalSettings::default()
-    };
-    let engine = Engine::open("sqlite://.lbscale/state.db", &ws.dir, settings).unwrap();
+    let engine = ws.engine();
     let added = engine
         .scale_out(&group_id, "az1", "memory 90 > 85 for 3 samples (test)")
         .await

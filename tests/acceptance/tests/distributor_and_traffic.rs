@@ -362,26 +362,17 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
     ));
     ws.apply();
     ws.assert_plan_empty("scaling_mode bgp");
-    let before: u64 = ws
-        .node_stats(primary)
-        .await
-        .forwarded
-        .iter()
-        .map(|f| f.connections_total)
-        .sum();
+    let forwarded_total = |stats: lbscale_engine::nodeapi::NodeStats| -> u64 {
+        stats.forwarded.iter().map(|f| f.connections_total).sum()
+    };
+    let before = forwarded_total(ws.node_stats(primary).await);
     let (_, _, served_by) = spread(&vip, 60);
     let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
     assert!(
         (10..=50).contains(&on_primary),
         "flows spread over both nodes: {on_primary} of 60 on the first"
     );
-    let after: u64 = ws
-        .node_stats(primary)
-        .await
-        .forwarded
-        .iter()
-        .map(|f| f.connections_total)
-        .sum();
+    let after = forwarded_total(ws.node_stats(primary).await);
     assert_eq!(before, after, "with bgp no node forwards");
 
     // mode forces a replacement of the distributor (and the group follows it).

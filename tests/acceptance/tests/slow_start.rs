@@ -4,10 +4,8 @@
 //! nodes that already serve: what they may not take yet goes to the older node.
 
 use lbscale_acceptance::*;
-use lbscale_engine::cloud::local::LocalSettings;
 use lbscale_engine::nodeapi::NodeStats;
 use lbscale_engine::store::NodeRow;
-use lbscale_engine::Engine;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,12 +92,7 @@ async fn a_joining_node_ramps_its_services_against_the_older_node() {
         .as_str()
         .unwrap()
         .to_string();
-    let settings = LocalSettings {
-        address_prefix: ws.prefix.clone(),
-        node_binary: Some(bin_dir().join("lbscale-node")),
-        ..LocalSettings::default()
-    };
-    let engine = Engine::open("sqlite://.lbscale/state.db", &ws.dir, settings).unwrap();
+    let engine = ws.engine();
     let old: NodeRow = ws.store().nodes_of_group(&group_id).unwrap().remove(0);
     let old_stats = ws.node_stats(&old).await;
     assert!(
