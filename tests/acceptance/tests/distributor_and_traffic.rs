@@ -355,6 +355,51 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
         "the primary reports what it forwarded: {forwarded:?}"
     );
 
+    // A node that joins (the daemon's scale-out workflow) becomes a secondary: the
+    // primary now keeps the 3-node share and forwards the rest to both others.
+    let engine = ws.engine();
+    let added = engine.scale_out(&group_id, "az1", "test").await.unwrap();
+    let native = |nodes: u32| {
+        lbscale_core::seplan::plan(
+            &lbscale_core::seplan::PlanParams {
+                forwarding_cost: 0.3,
+                ..Default::default()
+            },
+            nodes,
+        )
+        .shares
+    };
+    let shares = native(3);
+    let n = 120;
+    let (_, _, served_by) = spread(&vip, n);
+    let count = |id: &str| served_by.iter().filter(|x| *x == id).count();
+    for (id, share) in [primary.id.as_str(), secondary.id.as_str(), added.as_str()]
+        .into_iter()
+        .zip(&shares)
+    {
+        let want = share * n as f64;
+        assert!(
+            (count(id) as f64 - want).abs() <= 3.0,
+            "{id} served {} of {n}, its share is {want:.1} ({served_by:?})",
+            count(id)
+        );
+    }
+    // It leaves again (scale-in): the primary stops forwarding to it.
+    assert_eq!(
+        engine.scale_in_one(&group_id, "az1", "test").await.unwrap(),
+        added
+    );
+    let (_, _, served_by) = spread(&vip, 34);
+    assert!(
+        !served_by.iter().any(|x| *x == added),
+        "a node that left still served: {served_by:?}"
+    );
+    let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
+    assert!(
+        (on_primary as f64 - native(2)[0] * 34.0).abs() <= 2.0,
+        "back to the 2-node shares: {on_primary} of 34 on the primary"
+    );
+
     // bgp: the VIP spreads flows over both nodes by a flow hash; nobody forwards.
     ws.write(&stack("nlb", "60s", "0.3", 1, &b, false).replace(
         "primary_forwarding_cost = 0.3",
