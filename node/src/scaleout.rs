@@ -187,6 +187,14 @@ impl Peer {
         ActiveGuard(self.clone())
     }
 
+    /// The secondary's IP address, when it is configured as one (not a name).
+    fn ip(&self) -> Option<IpAddr> {
+        self.address
+            .parse::<IpAddr>()
+            .ok()
+            .or_else(|| self.address.parse::<SocketAddr>().ok().map(|a| a.ip()))
+    }
+
     /// The secondary's listener: `address` is an IP (or a name) listening on the
     /// vserver's port; an explicit `IP:PORT` is taken as is.
     async fn connect(&self) -> io::Result<TcpStream> {
@@ -380,9 +388,21 @@ impl Scaleout {
         inner.listed = listed;
     }
 
-    /// Chooses where the next connection of the vserver goes.
-    pub fn route(&self) -> Route {
+    /// Chooses where the next connection of the vserver, from `client`, goes. A
+    /// connection that comes from one of this primary's own secondaries is served
+    /// here: it is a joining secondary passing on what its services may not take
+    /// yet under slow start (the primary is one of its ramp peers), and routing it
+    /// by the shares again would send part of it back and forth.
+    pub fn route(&self, client: IpAddr) -> Route {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner
+            .listed
+            .iter()
+            .chain(inner.leaving.iter())
+            .any(|p| p.ip() == Some(client))
+        {
+            return Route::Local;
+        }
         let Some(i) = inner.smooth.as_mut().and_then(|s| s.pick()) else {
             return Route::Local;
         };
@@ -443,7 +463,7 @@ impl Drop for ActiveGuard {
 /// secondary when this node is the vserver's primary and the plan says so, else
 /// serves it here.
 pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
-    let client = match vs.scaleout.route() {
+    let client = match vs.scaleout.route(from.ip()) {
         Route::Local => client,
         Route::Forward(peer) => match forward(client, &vs, peer).await {
             Ok(()) => return,

@@ -67,7 +67,7 @@ async fn open_flow(
     ip: IpAddr,
     client: SocketAddr,
 ) -> Option<Arc<Flow>> {
-    let forward = match vs.scaleout.route() {
+    let forward = match vs.scaleout.route(client.ip()) {
         crate::scaleout::Route::Forward(p) => match p.resolve().await {
             Ok(a) => Some((p, a)),
             Err(e) => {

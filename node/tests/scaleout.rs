@@ -629,3 +629,71 @@ async fn udp_flows_follow_the_shares() {
         );
     }
 }
+
+/// A secondary that joins ramps under slow start against the older nodes, its
+/// primary among them: what it passes on to the primary is served there, not
+/// routed by the shares again (which would send part of it back and forth).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_secondarys_overflow_to_its_primary_does_not_loop() {
+    let backend = "127.91.1.100:9001";
+    let _b = source_tcp_backend(backend).await;
+    let (_p, _) = start_serve("loop-p", "127.91.1.1", &[]);
+    let (_n, _) = start_serve("loop-n", "127.91.1.2", &[]);
+    let shares = plan(
+        &PlanParams {
+            mode: ScalingMode::Native,
+            forwarding_cost: 0.3,
+            ..Default::default()
+        },
+        2,
+    )
+    .shares;
+    configure(
+        "127.91.1.1",
+        1,
+        vec![vserver(
+            "web",
+            ServiceType::Tcp,
+            9000,
+            backend,
+            Some(primary(&shares, &["127.91.1.2"], 30_000)),
+        )],
+    )
+    .await;
+    // The joining node holds its service at 1 connection/s (manual slow start)
+    // and passes the rest on to its ramp peer, the primary.
+    let mut joining = vserver("web", ServiceType::Tcp, 9000, backend, secondary());
+    joining.slow_start = Some(lbscale_proto::SlowStart {
+        new_service_request: 1,
+        unit: lbscale_proto::SlowStartUnit::PerSecond as i32,
+        increment_interval_s: 0,
+    });
+    joining.ramp_peers = vec!["127.91.1.1".into()];
+    configure("127.91.1.2", 1, vec![joining]).await;
+
+    let n = 200;
+    let opened = fan_out(n, 20, |_| tcp_open("127.91.1.1:9000")).await;
+    let sources: Vec<String> = opened.iter().map(|(_, src)| src.clone()).collect();
+    let by_source = count(&sources);
+    assert_eq!(sources.len(), n);
+    let p = stats("127.91.1.1").await;
+    let forwarded: u64 = p.forwarded.iter().map(|f| f.connections_total).sum();
+    let want = shares[1] * n as f64;
+    assert!(
+        (forwarded as f64 - want).abs() <= 3.0,
+        "the primary forwarded {forwarded} connections, its plan says {want:.1}"
+    );
+    // Every client connection reached the backend once: the primary served what
+    // the joining node passed back (the backend saw the primary as the source).
+    // The joining node itself serves at most its held rate (1/s, plus a token).
+    assert!(
+        by_source.get("127.91.1.1").copied().unwrap_or(0) >= n - 3,
+        "sources seen by the backend: {by_source:?}"
+    );
+    assert!(
+        p.total_connections <= (n as f64 + want + 3.0) as u64,
+        "the primary accepted {} connections for {n} clients: forwarding looped",
+        p.total_connections
+    );
+    drop(opened);
+}
