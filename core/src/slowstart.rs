@@ -19,10 +19,9 @@
 //!   equal weights: `R / (n + Σ pj/100)` per existing service).
 //! * A service leaves slow start (automatic mode) when its cap reaches its full share
 //!   (`PER_SECOND`; this also covers "the rate at full share is below the cap" when
-//!   the vserver's rate drops, as long as the vserver has traffic at all), when it
-//!   reaches 100 % (`PERCENT`), after 200 increments, or after 3 consecutive
-//!   increment intervals without traffic. Leaving is final: the service is then an
-//!   existing one.
+//!   the vserver's rate drops), when it reaches 100 % (`PERCENT`), after 200
+//!   increments, or after 3 consecutive increment intervals without traffic. Leaving
+//!   is final: the service is then an existing one.
 //!
 //! # Where the leftover goes (LB methods)
 //!
@@ -410,11 +409,7 @@ impl Vserver {
                 r.steps = due;
             }
             let reached = match cfg.unit {
-                // A vserver with no traffic at all has a full share of 0: that
-                // says nothing about the ramp (a node that just joined gets its
-                // first clients only after the DNS TTL), so the quiet-interval
-                // rule decides then.
-                Unit::PerSecond => r.cap > 0.0 && fs > 0.0 && r.cap >= fs,
+                Unit::PerSecond => r.cap > 0.0 && r.cap >= fs,
                 Unit::Percent => r.cap >= 100.0,
             };
             if reached || r.steps >= MAX_INCREMENTS || r.quiet_intervals >= QUIET_INTERVALS {
@@ -862,7 +857,9 @@ mod tests {
 
     #[test]
     fn no_traffic_for_three_intervals_ends_slow_start() {
-        // PERCENT, so that no cap reaches a full share first.
+        // PERCENT, so that no cap reaches a full share first (with PER_SECOND a
+        // vserver at 0 req/s ends slow start at the first increment: full share 0 is
+        // below the cap).
         let mut v = vs(Unit::Percent, 1, 10);
         v.request_rate = 0.0;
         v.add_service("Service5", 1, 0);
@@ -875,31 +872,13 @@ mod tests {
     }
 
     #[test]
-    fn per_second_without_any_traffic_waits_for_the_quiet_rule() {
-        // A vserver at 0 req/s has a full share of 0: not a reason to end the ramp
-        // (a node that just joined gets clients only after the DNS TTL).
+    fn per_second_at_zero_rate_ends_at_the_first_increment() {
         let mut v = vs(Unit::PerSecond, 1, 10);
         v.request_rate = 0.0;
         v.add_service("Service5", 1, 0);
-        for t in [0, 10_000, 20_000] {
-            v.advance(t);
-            assert_eq!(v.in_slow_start().len(), 1, "at {t}");
-        }
-        v.advance(30_000);
-        assert!(v.in_slow_start().is_empty());
-    }
-
-    #[test]
-    fn per_second_ends_when_traffic_comes_back_below_the_cap() {
-        let mut v = vs(Unit::PerSecond, 10, 10);
-        v.request_rate = 0.0;
-        v.add_service("Service5", 1, 0);
-        v.advance(10_000);
+        v.advance(0);
         assert_eq!(v.in_slow_start().len(), 1);
-        // 25 req/s over 5 services: a full share of 5 req/s, below the cap of 10.
-        v.request_rate = 25.0;
-        v.record_traffic(&[true; 5]);
-        v.advance(20_000);
+        v.advance(10_000);
         assert!(v.in_slow_start().is_empty());
     }
 

@@ -41,13 +41,19 @@
 //! `ramp_peers` are ignored for that vserver. While it lasts, a configuration with
 //! other (non-empty) `ramp_peers` replaces the peers; an empty list keeps them (the
 //! engine sends the peers only while the node joins).
+//!
+//! A join ramp starts with the node's first request, not with its configuration:
+//! clients find a new node only once the distributor hands out its address (and,
+//! behind DNS, their cached answers expire). Until then the own services' ramps
+//! are held at their start, so that the model, which sees a vserver without any
+//! traffic, neither counts increments nor ends them for a full share of 0.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
 use lbscale_core::slowstart::{
-    LbMethod as ModelMethod, Service as ModelService, SlowStartConfig, Unit, Vserver as Model,
+    LbMethod as ModelMethod, Ramp, Service as ModelService, SlowStartConfig, Unit, Vserver as Model,
 };
 use lbscale_proto as pb;
 
@@ -182,6 +188,7 @@ impl Ramps {
             self.set_peers(r, v, kind);
         }
         r.sync(&entries, now);
+        r.hold_join_until_traffic(now);
         r.model.advance(now);
         r.end_join_if_over(&v.name);
         r.apply_caps(&entries, now);
@@ -263,6 +270,7 @@ impl Ramps {
             };
             r.observe(&st.services, now);
             r.sync(&st.services, now);
+            r.hold_join_until_traffic(now);
             r.model.advance(now);
             let joined = r.join.is_some();
             r.end_join_if_over(&st.name);
@@ -407,6 +415,19 @@ impl VsRamp {
                 ramp: None,
             }),
             None => {}
+        }
+    }
+
+    /// During a join ramp, before the vserver's first request: every own ramp
+    /// starts now (see the module doc).
+    fn hold_join_until_traffic(&mut self, now: u64) {
+        if self.join.is_none() || self.handed > 0 {
+            return;
+        }
+        for s in &mut self.model.services {
+            if s.name != PEERS && s.ramp.is_some() {
+                s.ramp = Some(Ramp::new(now));
+            }
         }
     }
 

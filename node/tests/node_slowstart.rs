@@ -545,6 +545,46 @@ async fn a_joining_node_ramps_against_its_peer() {
     check.done("a_joining_node_ramps_against_its_peer", errors);
 }
 
+/// (d, late clients) A joining node's ramp starts with its first request: clients
+/// find it only once the distributor hands out its address, and a ramp that ran
+/// (or ended, for a full share of 0) while nobody came would not ramp anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_nodes_ramp_waits_for_its_first_client() {
+    let o1 = http_backend("127.88.6.11:8001", "O1").await;
+    let n1 = http_backend("127.88.6.21:8001", "N1").await;
+    let ss = slow_start(12, SlowStartUnit::PerSecond, INTERVAL_S);
+    let (_old, _) = start_serve("ss-late-old", "127.88.6.1", &[]);
+    let mut old = api_client("127.88.6.1").await;
+    configure(&mut old, 1, vserver(vec![svc("O1", &o1)], ss, vec![])).await;
+    let (_new, _) = start_serve("ss-late-new", "127.88.6.2", &[]);
+    let mut cl = api_client("127.88.6.2").await;
+    configure(
+        &mut cl,
+        1,
+        vserver(vec![svc("N1", &n1)], ss, vec!["127.88.6.1".into()]),
+    )
+    .await;
+    // Three increment intervals without a client.
+    tokio::time::sleep(Duration::from_millis(3 * 1000 * INTERVAL_S as u64 + 300)).await;
+    let st = stats(&mut cl).await;
+    let n = service(&st, "N1");
+    assert!(
+        n.in_slow_start && n.cap_per_second == 0.0,
+        "no client yet: the ramp has not started ({n:?})"
+    );
+    // The first clients: the ramp starts from cap 0, the rest goes to the peer.
+    let load = start_load("127.88.6.2:8080", 40.0);
+    tokio::time::sleep(Duration::from_millis(1000 * INTERVAL_S as u64 / 2)).await;
+    let st = stats(&mut cl).await;
+    assert!(service(&st, "N1").in_slow_start, "{:?}", st.services);
+    assert!(
+        o1.hits() > 0,
+        "what the new service may not take yet goes to the older node"
+    );
+    let errors = load.finish().await;
+    assert_eq!(errors, 0);
+}
+
 /// (d, TCP) A joining node forwards the connections its own service may not take
 /// yet to its peer (TCP to the peer's vserver port); manual slow start holds the
 /// ramp until a Configure releases it, which ends the join ramp.
