@@ -7,9 +7,10 @@
 //!   (join order); the oldest is its primary. Every node of the group still runs
 //!   every vserver (a node reached directly serves it), but only the holders get
 //!   its traffic from the distributor.
-//! * `native`: the distributor sends the port to the primary only; the primary
-//!   serves its own share and forwards the others to the secondaries with the
-//!   CPU-equalising shares of `lbscale_core::seplan`.
+//! * `native`: the distributor sends the port to the primary (the other holders
+//!   only if it does not accept connections); the primary serves its own share and
+//!   forwards the others to the secondaries with the CPU-equalising shares of
+//!   `lbscale_core::seplan`.
 //! * `bgp`: the distributor spreads flows over every holder by a flow hash (the
 //!   ECMP stand-in); no node forwards.
 //! * `native_and_bgp`: up to `DEFAULT_ECMP_PATHS` heads take flows by hash; the
@@ -22,6 +23,7 @@
 //! `nodes_for_load` between min and max_scaleout_per_vs): it spans as many as the
 //! AZ has, up to `max_scaleout_per_vs`, and the group's own scaling adds nodes.
 
+use crate::cloud::Balance;
 use lbscale_core::seplan::{self, PlanParams, ScalingMode, DEFAULT_ECMP_PATHS};
 
 /// The SE group settings that placement needs.
@@ -49,10 +51,10 @@ pub enum Role {
 pub struct AzPlacement {
     /// Node address -> role (nodes without a role serve only what reaches them).
     pub roles: Vec<(String, Role)>,
-    /// Where the distributor sends the vserver's port.
+    /// Where the distributor sends the vserver's port, in order of preference.
     pub targets: Vec<String>,
-    /// Whether the distributor picks targets by flow hash (ECMP) rather than in turn.
-    pub flow_hash: bool,
+    /// How the distributor picks among them.
+    pub balance: Balance,
     /// How long a secondary that leaves keeps its forwarded connections.
     pub scalein_timeout_ms: u64,
 }
@@ -70,13 +72,16 @@ pub fn place(settings: &SeSettings, nodes: &[String]) -> AzPlacement {
         ScalingMode::Bgp => AzPlacement {
             roles: Vec::new(),
             targets: holders.to_vec(),
-            flow_hash: true,
+            balance: Balance::FlowHash,
             scalein_timeout_ms: settings.scalein_timeout_ms,
         },
         ScalingMode::Native => AzPlacement {
             roles: native_roles(settings, holders),
-            targets: vec![holders[0].clone()],
-            flow_hash: false,
+            // The primary; the other holders only if it does not accept (it
+            // died): they serve what reaches them until the engine moves the
+            // primary.
+            targets: holders.to_vec(),
+            balance: Balance::First,
             scalein_timeout_ms: settings.scalein_timeout_ms,
         },
         ScalingMode::NativeAndBgp => {
@@ -92,7 +97,7 @@ pub fn place(settings: &SeSettings, nodes: &[String]) -> AzPlacement {
                     .flat_map(|g| native_roles(settings, g))
                     .collect(),
                 targets: holders[..heads].to_vec(),
-                flow_hash: true,
+                balance: Balance::FlowHash,
                 scalein_timeout_ms: settings.scalein_timeout_ms,
             }
         }
@@ -148,8 +153,8 @@ mod tests {
     #[test]
     fn native_sends_everything_to_the_primary_which_forwards_by_seplan_shares() {
         let p = place(&settings(ScalingMode::Native, 4), &nodes(4));
-        assert_eq!(p.targets, vec!["127.0.0.1"]);
-        assert!(!p.flow_hash);
+        assert_eq!(p.targets, nodes(4), "the primary first");
+        assert_eq!(p.balance, Balance::First);
         let Role::Primary {
             own_share,
             secondaries,
@@ -174,7 +179,7 @@ mod tests {
         assert_eq!(p.roles.len(), 2);
         let p = place(&settings(ScalingMode::Bgp, 3), &nodes(5));
         assert_eq!(p.targets, nodes(3));
-        assert!(p.flow_hash && p.roles.is_empty());
+        assert!(p.balance == Balance::FlowHash && p.roles.is_empty());
     }
 
     #[test]
@@ -193,7 +198,7 @@ mod tests {
         let all = nodes(10);
         let p = place(&settings(ScalingMode::NativeAndBgp, 10), &all);
         assert_eq!(p.targets, all[..8].to_vec());
-        assert!(p.flow_hash);
+        assert_eq!(p.balance, Balance::FlowHash);
         // Heads 1 and 2 get nodes 9 and 10 as secondaries; the other heads are alone.
         let primaries: Vec<&String> = p
             .roles

@@ -341,7 +341,9 @@ impl Engine {
                         t.addresses.push(a);
                     }
                 }
-                t.flow_hash |= placed.flow_hash;
+                // Groups sharing a port: flow hash wins over primary-first, which
+                // wins over round robin.
+                t.balance = t.balance.max(placed.balance);
             }
         }
         Ok(p)

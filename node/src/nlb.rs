@@ -14,8 +14,10 @@
 //!   the targets in turn; `"flow_hash"` is the ECMP stand-in of BGP scale-out: the
 //!   target follows from a hash of the client's flow (source IP and port), the same
 //!   for every connection of that flow and spread evenly over the targets, with no
-//!   node forwarding to another (no primary in the path). Unknown values: round
-//!   robin, with a warning.
+//!   node forwarding to another (no primary in the path); `"first"` sends every
+//!   connection to the first target that accepts it, in the order written (native
+//!   scale-out: the vserver's primary, then the other holders should it be down).
+//!   Unknown values: round robin, with a warning.
 //! - `weights` (optional): target (as written in `targets`) → weight from 0 to 1
 //!   (default 1; values outside are clamped, with a warning). Round robin becomes
 //!   smooth weighted round robin; `flow_hash` becomes weighted rendezvous hashing
@@ -65,6 +67,7 @@ pub struct ListenerConfig {
 enum Balance {
     RoundRobin,
     FlowHash,
+    First,
 }
 
 /// A listener's targets as configured: address, weight.
@@ -98,6 +101,7 @@ impl Targets {
         let live = |i: &usize| pool.targets[*i].1 > 0.0;
         match pool.balance {
             Balance::FlowHash => flow_order(client, &pool.targets),
+            Balance::First => (0..n).filter(live).map(|i| pool.targets[i].0).collect(),
             Balance::RoundRobin if pool.unweighted => {
                 let start = self.rr.fetch_add(1, Ordering::Relaxed);
                 (0..n).map(|i| pool.targets[(start + i) % n].0).collect()
@@ -241,8 +245,9 @@ fn pool_of(l: &ListenerConfig) -> Pool {
     let balance = match l.balance.as_deref() {
         None | Some("round_robin") => Balance::RoundRobin,
         Some("flow_hash") => Balance::FlowHash,
+        Some("first") => Balance::First,
         Some(other) => {
-            tracing::warn!(vip = %l.vip, port = l.port, balance = other, "unknown balance (want round_robin or flow_hash); round robin");
+            tracing::warn!(vip = %l.vip, port = l.port, balance = other, "unknown balance (want round_robin, flow_hash or first); round robin");
             Balance::RoundRobin
         }
     };

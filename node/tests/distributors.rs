@@ -242,6 +242,35 @@ async fn nlb_forwards_and_follows_config() {
     );
     let before = a.hits() + b.hits();
     assert!(before >= 7);
+
+    // `first` (a native scale-out primary, then the other holders): every
+    // connection to the first target that accepts, in the order written.
+    write_atomic(
+        &config,
+        r#"{"version": 5, "listeners": [{"vip": "127.79.0.1", "port": 8080, "balance": "first", "targets": ["127.79.1.11:8080", "127.79.1.10:8080"]}]}"#,
+    );
+    wait_until("nlb status version 5", Duration::from_secs(5), || {
+        status_version(&status) == Some(5)
+    })
+    .await;
+    for _ in 0..4 {
+        assert_eq!(first_line("127.79.0.1:8080").await.as_deref(), Some("beta"));
+    }
+    // The first one down (127.79.1.12 refuses): the next one takes everything.
+    write_atomic(
+        &config,
+        r#"{"version": 6, "listeners": [{"vip": "127.79.0.1", "port": 8080, "balance": "first", "targets": ["127.79.1.12:8080", "127.79.1.10:8080", "127.79.1.11:8080"]}]}"#,
+    );
+    wait_until("nlb status version 6", Duration::from_secs(5), || {
+        status_version(&status) == Some(6)
+    })
+    .await;
+    for _ in 0..4 {
+        assert_eq!(
+            first_line("127.79.0.1:8080").await.as_deref(),
+            Some("alpha")
+        );
+    }
 }
 
 /// BGP scale-out's ECMP stand-in: a `flow_hash` listener spreads flows over every

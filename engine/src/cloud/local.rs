@@ -9,7 +9,9 @@
 //! Files live under `<store dir>/local/`: per node its token file (mode 0600) and
 //! log, per distributor its config, status and log.
 
-use super::{Cloud, CloudError, Distributor, ProvisionRequest, Provisioned, Publication, Result};
+use super::{
+    Balance, Cloud, CloudError, Distributor, ProvisionRequest, Provisioned, Publication, Result,
+};
 use crate::model::DistributorSpec;
 use crate::store::{NodeRow, Store};
 use serde::{Deserialize, Serialize};
@@ -389,17 +391,20 @@ impl Distributor for LocalCloud {
                 let nodes = publication.endpoints.get(az).cloned().unwrap_or_default();
                 for port in ports {
                     let placed = publication.port_targets.get(az).and_then(|p| p.get(port));
-                    let (addresses, flow_hash) = match placed {
-                        Some(t) => (&t.addresses, t.flow_hash),
-                        None => (&nodes, false),
+                    let (addresses, balance) = match placed {
+                        Some(t) => (&t.addresses, t.balance),
+                        None => (&nodes, Balance::RoundRobin),
                     };
                     let targets: Vec<String> =
                         addresses.iter().map(|n| format!("{n}:{port}")).collect();
                     let mut listener =
                         serde_json::json!({"vip": vip, "port": port, "targets": targets});
-                    if flow_hash {
-                        listener["balance"] = "flow_hash".into();
+                    listener["balance"] = match balance {
+                        Balance::RoundRobin => "round_robin",
+                        Balance::First => "first",
+                        Balance::FlowHash => "flow_hash",
                     }
+                    .into();
                     listeners.push(listener);
                 }
             }

@@ -76,8 +76,20 @@ pub struct Publication {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PortTargets {
     pub addresses: Vec<String>,
-    /// Pick the target by a hash of the client's flow (the ECMP stand-in).
-    pub flow_hash: bool,
+    pub balance: Balance,
+}
+
+/// How an `nlb` picks among a port's targets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Balance {
+    /// In turn.
+    #[default]
+    RoundRobin,
+    /// The first target that accepts, in order (a native primary, then the
+    /// other holders should it be down).
+    First,
+    /// By a hash of the client's flow (the ECMP stand-in).
+    FlowHash,
 }
 
 #[async_trait::async_trait]
