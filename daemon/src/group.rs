@@ -359,8 +359,12 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             Ok(None) => return,
             Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
         };
+        let stale = match shared.engine.stale_configurations(&id) {
+            Ok(s) => s,
+            Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
+        };
         match store.nodes_of_group(&id) {
-            Ok(rows) => leftover_work(&view, &rows),
+            Ok(rows) => leftover_work(&view, &rows, &stale),
             Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
         }
     } else {
@@ -710,11 +714,15 @@ fn claim_ttl(interval: Duration) -> Duration {
 }
 
 /// Work that a holder left half-done, as the store and the processes show it:
-/// a node in a transient or failed state, or an active node that is not
-/// registered with the distributor. `None` when the group is settled.
-fn leftover_work(view: &GroupView, rows: &[NodeRow]) -> Option<String> {
+/// a node in a transient or failed state, an active node that is not registered
+/// with the distributor, or one that does not run the configuration it should
+/// (`stale`). `None` when the group is settled.
+fn leftover_work(view: &GroupView, rows: &[NodeRow], stale: &[String]) -> Option<String> {
     if let Some(n) = view.nodes.iter().find(|n| n.state != "active") {
         return Some(format!("node {} is {}", n.id, n.state));
+    }
+    if let Some(id) = stale.first() {
+        return Some(format!("node {id} does not run its current configuration"));
     }
     rows.iter()
         .find(|r| r.state == NodeState::Active && !r.registered)

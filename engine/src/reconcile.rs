@@ -779,14 +779,49 @@ impl Engine {
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
+        self.push_configs_with(
+            cloud,
+            group,
+            token,
+            leaving,
+            Duration::ZERO,
+            deadline,
+            lease,
+        )
+        .await
+    }
+
+    /// [`Engine::push_configs`], with the primaries keeping the connections they
+    /// forwarded to a dropped secondary at least `scalein_floor`.
+    #[allow(clippy::too_many_arguments)]
+    async fn push_configs_with(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        leaving: &[String],
+        scalein_floor: Duration,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
         let version = self.store.config_version(&group.id)?;
         let config = self.node_config(&group.id, version)?;
         for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
             if !n.state.is_member() || leaving.contains(&n.id) {
                 continue;
             }
-            self.join(cloud, group, n, token, &config, leaving, deadline, lease)
-                .await?;
+            self.join(
+                cloud,
+                group,
+                n,
+                token,
+                &config,
+                leaving,
+                scalein_floor,
+                deadline,
+                lease,
+            )
+            .await?;
         }
         Ok(())
     }
@@ -804,13 +839,21 @@ impl Engine {
         token: &str,
         base: &lbscale_proto::NodeConfig,
         leaving: &[String],
+        scalein_floor: Duration,
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
         let group_id = group.id.as_str();
         let version = base.version;
         let mut config = self.config_for_node(group, base, &n, leaving)?;
+        // The floor matters only to the secondaries dropped by this push; the
+        // configuration is otherwise the same (no re-push for it later).
         let fingerprint = config_fingerprint(&config);
+        for v in &mut config.vservers {
+            if let Some(so) = v.scaleout.as_mut() {
+                so.scalein_timeout_ms = so.scalein_timeout_ms.max(scalein_floor.as_millis() as u64);
+            }
+        }
         let applied = n.handle.get("config_fingerprint").and_then(|v| v.as_str());
         if applied != Some(fingerprint.as_str()) || n.state != NodeState::Active {
             if n.state != NodeState::Active {
@@ -832,7 +875,16 @@ impl Engine {
                     .map(|p| p.private_ip)
                     .collect();
                 for v in &mut config.vservers {
-                    v.ramp_peers = peers.clone();
+                    // Manual slow start (interval 0) would hold every new node at
+                    // new_service_request until an operator acts, so a scale-out
+                    // would add no capacity: a joining node ramps only
+                    // automatically.
+                    let automatic = v.slow_start.as_ref().is_some_and(|ss| {
+                        ss.new_service_request > 0 && ss.increment_interval_s > 0
+                    });
+                    if automatic {
+                        v.ramp_peers = peers.clone();
+                    }
                 }
             }
             lease.check()?;
@@ -925,8 +977,18 @@ impl Engine {
                         step: "rolling restart",
                         detail: "the new node disappeared".into(),
                     })?;
-                self.join(cloud, &group, fresh, &token, &config, &[], deadline, &lease)
-                    .await?;
+                self.join(
+                    cloud,
+                    &group,
+                    fresh,
+                    &token,
+                    &config,
+                    &[],
+                    Duration::ZERO,
+                    deadline,
+                    &lease,
+                )
+                .await?;
                 // The primaries learn of the new node before the old one leaves.
                 self.push_configs(
                     cloud,
@@ -1102,12 +1164,28 @@ impl Engine {
             self.store.update_node(n)?;
         }
         fault_point("after_deregister");
+        // Primaries stop forwarding new connections to the nodes that leave. The
+        // ones they forwarded there stay open as long as the node's drain may take
+        // (not just vs_scalein_timeout: the node leaves the group, not only the
+        // vserver). Best effort, bounded: a member that does not answer must not
+        // hold up the scale-in; the daemon finds it stale and pushes it later.
+        let push_deadline = (Instant::now() + CONFIG_PUSH_TIMEOUT).min(deadline);
+        let floor = spec.drain_timeout();
+        match self
+            .push_configs_with(cloud, group, &token, &[], floor, push_deadline, lease)
+            .await
+        {
+            Err(e @ EngineError::Store(_)) => return Err(e),
+            Err(e) => self.store.record_event(
+                id,
+                None,
+                "config_push_failed",
+                &format!("while nodes leave: {e} (retried by the next reconcile)"),
+            )?,
+            Ok(()) => {}
+        }
         lease.check()?;
         self.publish(&spec.traffic_distributor_id).await?;
-        // Primaries stop forwarding to the nodes that leave (their forwarded
-        // connections get vs_scalein_timeout on the primary).
-        self.push_configs(cloud, group, &token, &[], deadline, lease)
-            .await?;
 
         let ttl = self.ttl_of(spec)?;
         if !ttl.is_zero() && nodes.iter().any(|n| n.state == NodeState::Draining) {
@@ -1237,6 +1315,27 @@ impl Engine {
             }
         }
         Ok(out)
+    }
+
+    /// Active nodes of the group whose last pushed configuration is not the one
+    /// they should run now (a push that failed half-way, e.g. a primary that did
+    /// not take its new secondary). The daemon's resume reconcile pushes them.
+    pub fn stale_configurations(&self, group_id: &str) -> Result<Vec<String>> {
+        let Some(group) = self.store.group(group_id)? else {
+            return Ok(Vec::new());
+        };
+        let base = self.node_config(group_id, self.store.config_version(group_id)?)?;
+        let mut stale = Vec::new();
+        for n in self.store.nodes_of_group(group_id)? {
+            if n.state != NodeState::Active {
+                continue;
+            }
+            let want = config_fingerprint(&self.config_for_node(&group, &base, &n, &[])?);
+            if n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str()) {
+                stale.push(n.id);
+            }
+        }
+        Ok(stale)
     }
 
     /// What node `n` runs: the group's vservers with its scale-out role in each
@@ -1536,16 +1635,24 @@ impl Engine {
     }
 }
 
+/// How long a best-effort configuration push (while nodes leave) may take.
+const CONFIG_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Identifies what a node was sent (ramp peers aside: they matter only while it
 /// joins), so that a node is reconfigured exactly when its configuration changes.
 fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
     use prost::Message;
-    use std::hash::{Hash, Hasher};
     let mut c = config.clone();
     for v in &mut c.vservers {
         v.ramp_peers.clear();
     }
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    c.encode_to_vec().hash(&mut h);
-    format!("{:016x}", h.finish())
+    // FNV-1a: stable across Rust versions (std's hasher is not), so a toolchain
+    // upgrade does not make every node look changed.
+    let h = c
+        .encode_to_vec()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    format!("{h:016x}")
 }
