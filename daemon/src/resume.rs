@@ -73,7 +73,12 @@ pub fn restore_az_state(
                 .min(now_u.saturating_add(provision_backoff(attempt).as_millis() as Millis)),
             attempt,
         },
-        Phase::Provisioning { .. } => cooldown_from_now(),
+        // A scale-out that was cut off: if its node made it (the resume reconcile
+        // finished it), the cooldown starts now, so that one breach never scales
+        // out twice; if the reconcile removed the half-made node, nothing was
+        // added and the AZ evaluates again (a breach needs fresh samples).
+        Phase::Provisioning { .. } if provisioned >= saved.provisioned => cooldown_from_now(),
+        Phase::Provisioning { .. } => Phase::Evaluating { after: Some(now_u) },
         Phase::Ttl { .. }
         | Phase::Draining { .. }
         | Phase::DeprovisionDue { .. }
@@ -238,6 +243,14 @@ mod tests {
         let s = restore_az_state(&cfg(), &saved, 100_000, 104_000, 2, 2);
         assert_eq!(s.phase, Phase::Cooldown { until: 124_000 });
         assert_eq!((s.serving, s.provisioned), (2, 2));
+        // The reconcile removed the half-made node: nothing was added, no cooldown.
+        let s = restore_az_state(&cfg(), &saved, 100_000, 104_000, 1, 1);
+        assert_eq!(
+            s.phase,
+            Phase::Evaluating {
+                after: Some(104_000)
+            }
+        );
 
         let mut saved = AzState::new(1);
         saved.phase = Phase::Draining {

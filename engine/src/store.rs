@@ -108,6 +108,9 @@ pub enum StoreError {
     /// side effect (the new holder owns the group now).
     #[error("lost the lease on group {group}: {detail}")]
     LeaseLost { group: String, detail: String },
+    /// A claim on a group that is no longer in the store (destroyed meanwhile).
+    #[error("group {0} is not in the store (destroyed)")]
+    GroupGone(String),
 }
 
 impl From<rusqlite::Error> for StoreError {
@@ -975,6 +978,16 @@ impl Store {
         let now = now_ms();
         let expires = now + ttl.as_millis() as i64;
         self.tx(|tx| {
+            // A daemon's claim on a group that is gone (destroyed between the
+            // daemon listing the groups and claiming one) must not leave a row.
+            if let Some(claimed) = group_id.strip_prefix("daemon/") {
+                let exists: Option<i64> = tx
+                    .query_row("SELECT 1 FROM groups WHERE id = ?1", params![claimed], |r| r.get(0))
+                    .optional()?;
+                if exists.is_none() {
+                    return Err(StoreError::GroupGone(claimed.to_string()));
+                }
+            }
             let cur: Option<(String, i64, i64)> = tx
                 .query_row("SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1", params![group_id], |r| {
                     Ok((r.get(0)?, r.get(1)?, r.get(2)?))
@@ -1121,6 +1134,14 @@ impl Store {
                 )
             })?;
         }
+        // A daemon's claim on a group is a lease keyed `daemon/<group>`.
+        total += self.with(|c| {
+            c.query_row(
+                "SELECT count(*) FROM leases WHERE group_id = ?1",
+                params![daemon_claim_key(id)],
+                |r| r.get::<_, i64>(0),
+            )
+        })?;
         Ok(total)
     }
 }

@@ -142,13 +142,13 @@ fn deleting_the_group_removes_its_policy_state_and_claim() {
         s.put_policy_state(&c1, "g1", "az1", &cooling(1)),
         Err(StoreError::LeaseLost { .. })
     ));
-    // Nor can one that claims the deleted group afresh.
-    let again = s
-        .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
-        .unwrap();
-    s.put_policy_state(&again, "g1", "az1", &cooling(1))
-        .unwrap();
-    assert!(s.policy_states("g1").unwrap().is_empty());
+    // Nor can one claim the deleted group afresh (which would leave a lease row
+    // for a group that is gone).
+    assert!(matches!(
+        s.acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30)),
+        Err(StoreError::GroupGone(_))
+    ));
+    assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
     assert_eq!(s.count_rows("policy_state").unwrap(), 1);
 }
 
