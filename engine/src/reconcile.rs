@@ -953,7 +953,9 @@ impl Engine {
                 "rolling_restart",
                 &format!("{reason}: {} node(s), one at a time", old.len()),
             )?;
-            for n in old {
+            // Newest first: the oldest node (every vserver's scale-out primary)
+            // is replaced last, so the primary moves once, not at every step.
+            for n in old.into_iter().rev() {
                 let before: Vec<String> = self
                     .store
                     .nodes_of_group(group_id)?
