@@ -591,7 +591,12 @@ impl Node {
                         "DOWN"
                     }
                     .to_string(),
-                    in_slow_start: cap.is_some() && !e.peer && e.usable(),
+                    // An explicit cap from the configuration is an operator's
+                    // limit, not a ramp.
+                    in_slow_start: cap.is_some()
+                        && e.explicit_cap.is_none()
+                        && !e.peer
+                        && e.usable(),
                     cap_per_second: cap.unwrap_or(0.0),
                     new_since_ms,
                 });

@@ -630,6 +630,14 @@ async fn slow_start_cap_limits_a_service() {
         "capped service got {na} requests in {secs:.2} s (cap 5/s, allowed {allowed})"
     );
     assert!(nb >= 150 - allowed);
+    // The stats show the cap in force, and that it is not a slow-start ramp.
+    let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+    let new = st.services.iter().find(|s| s.service == "new").unwrap();
+    assert_eq!(new.cap_per_second, 5.0);
+    assert!(
+        !new.in_slow_start,
+        "an explicit cap is not slow start: {new:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
