@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit, property, golden, data-plane and the
 # acceptance tests that drive the real Terraform CLI against the freshly built
-# provider. Installs what it needs first (scripts/setup.sh).
+# provider. Installs what it needs first (scripts/setup.sh), and starts a
+# throwaway PostgreSQL server for the PostgreSQL store's tests
+# (scripts/postgres.sh), stopped again when the suite ends.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -9,4 +11,9 @@ cd "$root"
 export LBSCALE_TERRAFORM="$root/.tools/bin/terraform"
 # Two cores: run test binaries with two threads each; the acceptance tests
 # pace themselves (each uses its own loopback prefix and store).
-exec cargo test --workspace -- --test-threads=2 "$@"
+if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
+    trap '"$root/scripts/postgres.sh" stop' EXIT
+    LBSCALE_TEST_POSTGRES_URL=$("$root/scripts/postgres.sh" start)
+    export LBSCALE_TEST_POSTGRES_URL
+fi
+cargo test --workspace -- --test-threads=2 "$@"

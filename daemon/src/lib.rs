@@ -55,7 +55,7 @@ use tokio::task::JoinSet;
 /// How the daemon runs.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
-    /// `sqlite://PATH`, as the provider's `state` setting.
+    /// `sqlite://PATH` or `postgres://...`, as the provider's `state` setting.
     pub state_url: String,
     /// Relative store paths are taken from here (the current directory).
     pub base_dir: PathBuf,
@@ -150,7 +150,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
     });
     tracing::info!(
         listen = %cfg.listen,
-        store = %shared.engine.store.path().display(),
+        store = %shared.engine.store.location(),
         holder = %holder,
         "lbscale daemon started"
     );

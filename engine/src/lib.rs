@@ -18,6 +18,9 @@ pub mod model;
 pub mod nodeapi;
 pub mod placement;
 pub mod reconcile;
+mod sqldb;
 pub mod store;
+#[doc(hidden)]
+pub mod store_testing;
 
 pub use reconcile::{Engine, EngineError};

@@ -1,16 +1,23 @@
-//! The store that the provider and the daemon share: a SQLite file by default.
+//! The store that the provider and the daemon share: a SQLite file by default,
+//! or a PostgreSQL database for several daemons on several machines.
 //!
+//! - One set of queries for both databases, through the small SQL layer in
+//!   [`crate::sqldb`], which holds every difference between the two.
 //! - Versioned migrations: `meta.schema_version` says which ones ran; a store written
 //!   by a newer lbscale is refused rather than misread.
-//! - Several processes at once: WAL journal, a busy timeout, and short transactions.
-//!   Two writers never act on one group at the same time: they hold the group's
-//!   lease (`acquire_lease`), whose fencing token increases with every new holder.
-//! - The file is created readable by its owner only: it holds the groups' node API
-//!   tokens.
+//! - Several processes at once: short transactions; write transactions never
+//!   overlap (SQLite: WAL and its write lock, with a busy timeout; PostgreSQL: one
+//!   advisory lock per database, with a lock timeout). Two writers never act on
+//!   one group at the same time: they hold the group's lease (`acquire_lease`),
+//!   whose fencing token increases with every new holder.
+//! - A SQLite file is created readable by its owner only: it holds the groups'
+//!   node API tokens (with PostgreSQL, the database's own access control does).
+//!   A PostgreSQL URL's password never appears in a message.
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
+use crate::sqldb::{redact_url, vals, Db, PgConn, SqlRow, SqliteDb, Value};
 use lbscale_core::policy::AzState;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::Connection;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -70,18 +77,16 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(
-        "the store URL {0:?} is not supported: use sqlite://PATH (postgres:// is not built yet)"
+        "the store URL {0:?} is not supported: use sqlite://PATH or postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
     )]
     UnsupportedUrl(String),
-    #[error("cannot open the store at {path}: {source}")]
-    Open {
-        path: PathBuf,
-        source: rusqlite::Error,
-    },
-    #[error("the store at {path} is not an lbscale store or is corrupt ({detail}); it was left untouched")]
-    Corrupt { path: PathBuf, detail: String },
-    #[error("the store at {path} has schema version {found}, newer than this lbscale understands ({SCHEMA_VERSION}); upgrade lbscale. The store was left untouched")]
-    TooNew { path: PathBuf, found: i64 },
+    /// `store`: the file's path, or the URL with its password masked.
+    #[error("cannot open the store at {store}: {detail}")]
+    Open { store: String, detail: String },
+    #[error("the store at {store} is not an lbscale store or is corrupt ({detail}); it was left untouched")]
+    Corrupt { store: String, detail: String },
+    #[error("the store at {store} has schema version {found}, newer than this lbscale understands ({SCHEMA_VERSION}); upgrade lbscale. The store was left untouched")]
+    TooNew { store: String, found: i64 },
     #[error("the store is locked by another process; gave up waiting for its lock after the busy timeout: {0}")]
     Locked(String),
     #[error("store: {0}")]
@@ -241,16 +246,37 @@ pub struct Lease {
     pub expires_ms: i64,
 }
 
+/// Where a store lives.
+enum Backend {
+    Sqlite(Mutex<Connection>),
+    Postgres(Mutex<PgConn>),
+}
+
+/// Every write transaction on PostgreSQL first takes this transaction-scoped
+/// advisory lock (per database): writers are serialised as SQLite's write lock
+/// serialises them, so the leases' read-then-write is exactly as on SQLite.
+pub(crate) const PG_WRITE_LOCK: i64 = 0x6c62_7363_616c_6500; // "lbscale\0"
+
 pub struct Store {
-    path: PathBuf,
-    conn: Mutex<Connection>,
+    backend: Backend,
+    /// The file's path, or the URL with its password masked.
+    location: String,
+    /// Where drivers keep files on this machine (for `local`: runtime state).
+    local_dir: PathBuf,
+    path: Option<PathBuf>,
 }
 
 impl Store {
-    /// Opens `sqlite://PATH`; a relative PATH is taken from `base_dir`.
+    /// Opens `sqlite://PATH` (a relative PATH is taken from `base_dir`) or
+    /// `postgres://[user[:password]@]host[:port]/database[?options]` (also
+    /// `postgresql://`); with PostgreSQL, drivers keep their local files under
+    /// `base_dir/.lbscale`.
     pub fn open_url(url: &str, base_dir: &Path) -> Result<Store> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Store::open_postgres(url, base_dir, BUSY_TIMEOUT);
+        }
         let Some(rest) = url.strip_prefix("sqlite://") else {
-            return Err(StoreError::UnsupportedUrl(url.to_string()));
+            return Err(StoreError::UnsupportedUrl(redact_url(url)));
         };
         if rest.is_empty() {
             return Err(StoreError::UnsupportedUrl(url.to_string()));
@@ -263,6 +289,20 @@ impl Store {
         Store::open(&path)
     }
 
+    /// Opens a PostgreSQL store; a call waits at most `lock_wait` for another
+    /// writer before failing with [`StoreError::Locked`].
+    pub fn open_postgres(url: &str, base_dir: &Path, lock_wait: Duration) -> Result<Store> {
+        let conn = PgConn::connect(url, lock_wait)?;
+        let store = Store {
+            location: conn.redacted().to_string(),
+            backend: Backend::Postgres(Mutex::new(conn)),
+            local_dir: base_dir.join(".lbscale"),
+            path: None,
+        };
+        store.migrate()?;
+        Ok(store)
+    }
+
     pub fn open(path: &Path) -> Result<Store> {
         Store::open_with_busy_timeout(path, BUSY_TIMEOUT)
     }
@@ -270,23 +310,21 @@ impl Store {
     /// Opens the store; a call waits at most `busy_timeout` for another
     /// process's lock before failing with [`StoreError::Locked`].
     pub fn open_with_busy_timeout(path: &Path, busy_timeout: Duration) -> Result<Store> {
+        let open_err = |detail: String| StoreError::Open {
+            store: path.display().to_string(),
+            detail,
+        };
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| StoreError::Open {
-                path: path.to_path_buf(),
-                source: rusqlite::Error::InvalidPath(PathBuf::from(e.to_string())),
-            })?;
+            std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
         }
         let existed = path.exists();
-        let conn = Connection::open(path).map_err(|source| StoreError::Open {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let conn = Connection::open(path).map_err(|e| open_err(e.to_string()))?;
         if !existed {
             restrict_to_owner(path);
         }
         conn.busy_timeout(busy_timeout)?;
         let corrupt = |e: rusqlite::Error| StoreError::Corrupt {
-            path: path.to_path_buf(),
+            store: path.display().to_string(),
             detail: e.to_string(),
         };
         // Reading the schema is the first thing that fails on a file that is not
@@ -297,7 +335,7 @@ impl Store {
         .map_err(|e| match StoreError::from(e) {
             StoreError::Locked(m) => StoreError::Locked(m),
             StoreError::Sql(m) => StoreError::Corrupt {
-                path: path.to_path_buf(),
+                store: path.display().to_string(),
                 detail: m,
             },
             other => other,
@@ -307,108 +345,165 @@ impl Store {
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(corrupt)?;
         let store = Store {
-            path: path.to_path_buf(),
-            conn: Mutex::new(conn),
+            location: path.display().to_string(),
+            local_dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            path: Some(path.to_path_buf()),
+            backend: Backend::Sqlite(Mutex::new(conn)),
         };
         store.migrate()?;
         Ok(store)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The SQLite file; `None` for PostgreSQL.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Where the store is, fit to print: the file's path, or the PostgreSQL URL
+    /// with its password masked.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// The directory where drivers keep their files on this machine: next to a
+    /// SQLite file, or `BASE_DIR/.lbscale` with PostgreSQL.
+    pub fn local_dir(&self) -> &Path {
+        &self.local_dir
+    }
+
+    /// Which database holds the store: `"sqlite"` or `"postgres"`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => "sqlite",
+            Backend::Postgres(_) => "postgres",
+        }
     }
 
     fn migrate(&self) -> Result<()> {
-        let mut conn = self.conn.lock().unwrap();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        tx.execute_batch(
-            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-        )?;
-        let tables: i64 = tx.query_row(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name != 'meta'",
-            [],
-            |r| r.get(0),
-        )?;
-        let version: Option<String> = tx
-            .query_row(
-                "SELECT value FROM meta WHERE key = 'schema_version'",
-                [],
-                |r| r.get(0),
-            )
-            .optional()?;
-        let version: i64 = match version {
-            Some(v) => v.parse().map_err(|_| StoreError::Corrupt {
-                path: self.path.clone(),
-                detail: format!("schema_version is {v:?}"),
-            })?,
-            None if tables > 0 => {
-                return Err(StoreError::Corrupt {
-                    path: self.path.clone(),
-                    detail: "it has tables but no lbscale schema version".into(),
-                })
-            }
-            None => 0,
-        };
-        if version > SCHEMA_VERSION {
-            return Err(StoreError::TooNew {
-                path: self.path.clone(),
-                found: version,
-            });
-        }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            tx.execute_batch(sql)?;
-            tx.execute(
-                "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
-                 ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                params![(i + 1).to_string()],
+        let location = self.location.clone();
+        self.tx(|tx| {
+            tx.batch(
+                "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
             )?;
+            let dialect = tx.dialect();
+            let tables = tx.int(dialect.tables_sql(), &[])?;
+            let version = tx
+                .one("SELECT value FROM meta WHERE key = 'schema_version'", &[])?
+                .map(|r| r.text(0))
+                .transpose()?;
+            let version: i64 = match version {
+                Some(v) => v.parse().map_err(|_| StoreError::Corrupt {
+                    store: location.clone(),
+                    detail: format!("schema_version is {v:?}"),
+                })?,
+                None if tables > 0 => {
+                    return Err(StoreError::Corrupt {
+                        store: location.clone(),
+                        detail: "it has tables but no lbscale schema version".into(),
+                    })
+                }
+                None => 0,
+            };
+            if version > SCHEMA_VERSION {
+                return Err(StoreError::TooNew {
+                    store: location.clone(),
+                    found: version,
+                });
+            }
+            for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+                tx.batch(&dialect.ddl(sql))?;
+                tx.execute(
+                    "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
+                     ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    vals![(i + 1).to_string()],
+                )?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f` on the connection, each statement on its own (autocommit).
+    fn with<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
+        match &self.backend {
+            Backend::Sqlite(c) => {
+                let conn = c.lock().unwrap();
+                f(&mut SqliteDb(&conn))
+            }
+            Backend::Postgres(c) => {
+                let mut conn = c.lock().unwrap();
+                f(&mut *conn)
+            }
         }
-        tx.commit()?;
-        Ok(())
     }
 
-    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
-        let conn = self.conn.lock().unwrap();
-        f(&conn).map_err(StoreError::from)
+    /// Runs `f` in a write transaction: committed if it returns Ok, rolled back
+    /// otherwise. Write transactions do not overlap (SQLite: `BEGIN IMMEDIATE`;
+    /// PostgreSQL: the store's advisory lock).
+    fn tx<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
+        match &self.backend {
+            Backend::Sqlite(c) => {
+                let mut conn = c.lock().unwrap();
+                let tx =
+                    conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                let out = f(&mut SqliteDb(&tx))?;
+                tx.commit()?;
+                Ok(out)
+            }
+            Backend::Postgres(c) => {
+                let mut conn = c.lock().unwrap();
+                conn.batch(&format!(
+                    "BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})"
+                ))
+                .inspect_err(|_| {
+                    let _ = conn.batch("ROLLBACK");
+                })?;
+                match f(&mut *conn) {
+                    Ok(out) => match conn.batch("COMMIT") {
+                        Ok(()) => Ok(out),
+                        Err(e) => {
+                            let _ = conn.batch("ROLLBACK");
+                            Err(e)
+                        }
+                    },
+                    Err(e) => {
+                        conn.batch("ROLLBACK")?;
+                        Err(e)
+                    }
+                }
+            }
+        }
     }
 
-    fn tx<T>(&self, f: impl FnOnce(&rusqlite::Transaction) -> Result<T>) -> Result<T> {
-        let mut conn = self.conn.lock().unwrap();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        let out = f(&tx)?;
-        tx.commit()?;
-        Ok(out)
+    /// Runs SQL on the store as it is, without the store's checks: for tests
+    /// that simulate an old, a newer or a damaged store.
+    #[doc(hidden)]
+    pub fn raw_batch_for_tests(&self, sql: &str) -> Result<()> {
+        self.with(|c| c.batch(sql))
     }
 
     // --- declared objects -------------------------------------------------------
 
-    fn insert_named<T: Serialize>(
+    fn insert_named(
         &self,
         kind: &'static str,
         sql: &str,
-        id: &str,
         name: &str,
-        parent: &str,
-        spec: &T,
+        params: &[Value],
     ) -> Result<()> {
         let table = table_of(kind);
-        let spec = serde_json::to_string(spec).expect("specs serialise");
         self.tx(|tx| {
-            let taken: Option<String> = tx
-                .query_row(
-                    &format!("SELECT id FROM {table} WHERE name = ?1"),
-                    params![name],
-                    |r| r.get(0),
-                )
-                .optional()?;
+            let taken = tx.one(
+                &format!("SELECT id FROM {table} WHERE name = ?1"),
+                vals![name],
+            )?;
             if let Some(existing) = taken {
                 return Err(StoreError::NameTaken {
                     kind,
                     name: name.to_string(),
-                    id: existing,
+                    id: existing.text(0)?,
                 });
             }
-            tx.execute(sql, params![id, name, parent, spec, now_ms()])?;
+            tx.execute(sql, params)?;
             Ok(())
         })
     }
@@ -425,25 +520,22 @@ impl Store {
         let parent_col = parent_column(kind);
         let spec = serde_json::to_string(spec).expect("specs serialise");
         self.tx(|tx| {
-            let taken: Option<String> = tx
-                .query_row(
-                    &format!("SELECT id FROM {table} WHERE name = ?1 AND id != ?2"),
-                    params![name, id],
-                    |r| r.get(0),
-                )
-                .optional()?;
+            let taken = tx.one(
+                &format!("SELECT id FROM {table} WHERE name = ?1 AND id != ?2"),
+                vals![name, id],
+            )?;
             if let Some(existing) = taken {
                 return Err(StoreError::NameTaken {
                     kind,
                     name: name.to_string(),
-                    id: existing,
+                    id: existing.text(0)?,
                 });
             }
             tx.execute(
                 &format!(
                     "UPDATE {table} SET name = ?2, {parent_col} = ?3, spec = ?4 WHERE id = ?1"
                 ),
-                params![id, name, parent, spec],
+                vals![id, name, parent, spec],
             )?;
             Ok(())
         })
@@ -456,16 +548,32 @@ impl Store {
         value: &str,
     ) -> Result<Option<Row<T>>> {
         let table = table_of(kind);
-        let row: Option<(String, String)> = self.with(|c| {
-            c.query_row(
+        let row = self.with(|c| {
+            c.one(
                 &format!("SELECT id, spec FROM {table} WHERE {column} = ?1"),
-                params![value],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                vals![value],
             )
-            .optional()
         })?;
-        row.map(|(id, spec)| decode(kind, &spec).map(|spec| Row { id, spec }))
-            .transpose()
+        row.map(|r| {
+            let spec = decode(kind, &r.text(1)?)?;
+            Ok(Row {
+                id: r.text(0)?,
+                spec,
+            })
+        })
+        .transpose()
+    }
+
+    fn rows_of<T: DeserializeOwned>(kind: &'static str, rows: Vec<SqlRow>) -> Result<Vec<Row<T>>> {
+        rows.into_iter()
+            .map(|r| {
+                let spec = decode(kind, &r.text(1)?)?;
+                Ok(Row {
+                    id: r.text(0)?,
+                    spec,
+                })
+            })
+            .collect()
     }
 
     fn list_by<T: DeserializeOwned>(
@@ -475,33 +583,30 @@ impl Store {
         value: &str,
     ) -> Result<Vec<Row<T>>> {
         let table = table_of(kind);
-        let rows: Vec<(String, String)> = self.with(|c| {
-            let mut st = c.prepare(&format!(
-                "SELECT id, spec FROM {table} WHERE {column} = ?1 ORDER BY created_at, id"
-            ))?;
-            let rows = st.query_map(params![value], |r| Ok((r.get(0)?, r.get(1)?)))?;
-            rows.collect()
+        let rows = self.with(|c| {
+            c.query(
+                &format!(
+                    "SELECT id, spec FROM {table} WHERE {column} = ?1 ORDER BY created_at, id"
+                ),
+                vals![value],
+            )
         })?;
-        rows.into_iter()
-            .map(|(id, spec)| decode(kind, &spec).map(|spec| Row { id, spec }))
-            .collect()
+        Self::rows_of(kind, rows)
     }
 
     fn delete_row(&self, kind: &'static str, id: &str) -> Result<()> {
         let table = table_of(kind);
-        self.with(|c| c.execute(&format!("DELETE FROM {table} WHERE id = ?1"), params![id]))?;
+        self.with(|c| c.execute(&format!("DELETE FROM {table} WHERE id = ?1"), vals![id]))?;
         Ok(())
     }
 
     pub fn insert_distributor(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
+        let json = serde_json::to_string(spec).expect("specs serialise");
         self.insert_named(
             "traffic distributor",
-            // A distributor has no parent: ?3 is always empty.
-            "INSERT INTO distributors (id, name, spec, created_at) SELECT ?1, ?2, ?4, ?5 WHERE ?3 = ''",
-            id,
+            "INSERT INTO distributors (id, name, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
             &spec.name,
-            "",
-            spec,
+            vals![id, &spec.name, json, now_ms()],
         )
     }
     pub fn update_distributor(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
@@ -509,7 +614,7 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "UPDATE distributors SET spec = ?2 WHERE id = ?1",
-                params![id, s],
+                vals![id, s],
             )
         })?;
         Ok(())
@@ -525,41 +630,34 @@ impl Store {
     }
     /// Driver state of a distributor (for `local`: process, addresses, config version).
     pub fn distributor_runtime(&self, id: &str) -> Result<serde_json::Value> {
-        let s: Option<String> = self.with(|c| {
-            c.query_row(
-                "SELECT runtime FROM distributors WHERE id = ?1",
-                params![id],
-                |r| r.get(0),
-            )
-            .optional()
-        })?;
+        let s =
+            self.with(|c| c.one("SELECT runtime FROM distributors WHERE id = ?1", vals![id]))?;
         s.map_or(Ok(serde_json::Value::Null), |s| {
-            decode("distributor runtime", &s)
+            decode("distributor runtime", &s.text(0)?)
         })
     }
     pub fn set_distributor_runtime(&self, id: &str, runtime: &serde_json::Value) -> Result<()> {
         self.with(|c| {
             c.execute(
                 "UPDATE distributors SET runtime = ?2 WHERE id = ?1",
-                params![id, runtime.to_string()],
+                vals![id, runtime.to_string()],
             )
         })?;
         Ok(())
     }
 
     pub fn insert_group(&self, id: &str, spec: &GroupSpec, token: &str) -> Result<()> {
+        let json = serde_json::to_string(spec).expect("specs serialise");
         self.insert_named(
             "autoscale group",
             "INSERT INTO groups (id, name, distributor_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            id,
             &spec.name,
-            &spec.traffic_distributor_id,
-            spec,
+            vals![id, &spec.name, &spec.traffic_distributor_id, json, now_ms()],
         )?;
         self.with(|c| {
             c.execute(
                 "INSERT INTO group_secrets (group_id, token) VALUES (?1, ?2)",
-                params![id, token],
+                vals![id, token],
             )
         })?;
         Ok(())
@@ -583,49 +681,43 @@ impl Store {
         self.list_by("autoscale group", "distributor_id", distributor_id)
     }
     pub fn all_groups(&self) -> Result<Vec<Row<GroupSpec>>> {
-        let rows: Vec<(String, String)> = self.with(|c| {
-            let mut st = c.prepare("SELECT id, spec FROM groups ORDER BY created_at, id")?;
-            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-            rows.collect()
-        })?;
-        rows.into_iter()
-            .map(|(id, spec)| decode("autoscale group", &spec).map(|spec| Row { id, spec }))
-            .collect()
+        let rows =
+            self.with(|c| c.query("SELECT id, spec FROM groups ORDER BY created_at, id", &[]))?;
+        Self::rows_of("autoscale group", rows)
     }
     /// The group's node API token. Sensitive: never log or print it.
     pub fn group_token(&self, group_id: &str) -> Result<Option<String>> {
         self.with(|c| {
-            c.query_row(
+            c.one(
                 "SELECT token FROM group_secrets WHERE group_id = ?1",
-                params![group_id],
-                |r| r.get(0),
-            )
-            .optional()
+                vals![group_id],
+            )?
+            .map(|r| r.text(0))
+            .transpose()
         })
     }
     /// Bumps the version of the configuration that the group's nodes must run.
     pub fn bump_config_version(&self, group_id: &str) -> Result<u64> {
-        self.with(|c| {
+        self.tx(|c| {
             c.execute(
                 "UPDATE groups SET config_version = config_version + 1 WHERE id = ?1",
-                params![group_id],
+                vals![group_id],
             )?;
-            c.query_row(
+            c.int(
                 "SELECT config_version FROM groups WHERE id = ?1",
-                params![group_id],
-                |r| r.get::<_, i64>(0),
+                vals![group_id],
             )
         })
         .map(|v| v as u64)
     }
     pub fn config_version(&self, group_id: &str) -> Result<u64> {
         self.with(|c| {
-            c.query_row(
+            c.one(
                 "SELECT config_version FROM groups WHERE id = ?1",
-                params![group_id],
-                |r| r.get::<_, i64>(0),
-            )
-            .optional()
+                vals![group_id],
+            )?
+            .map(|r| r.int(0))
+            .transpose()
         })
         .map(|v| v.unwrap_or(0) as u64)
     }
@@ -642,9 +734,9 @@ impl Store {
                 "DELETE FROM leases WHERE group_id = ?1",
                 "DELETE FROM groups WHERE id = ?1",
             ] {
-                tx.execute(sql, params![id])?;
+                tx.execute(sql, vals![id])?;
             }
-            tx.execute("DELETE FROM leases WHERE group_id = ?1", params![claim])?;
+            tx.execute("DELETE FROM leases WHERE group_id = ?1", vals![&claim])?;
             Ok(())
         })
     }
@@ -679,14 +771,7 @@ impl Store {
             })
         };
         self.tx(|tx| {
-            let cur: Option<(String, i64, i64)> = tx
-                .query_row(
-                    "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
-                    params![claim.group_id],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-                )
-                .optional()?;
-            match cur {
+            match lease_row(tx, &claim.group_id)? {
                 Some((h, f, exp)) if h == claim.holder && f == claim.fence && exp > now => {}
                 Some((h, f, _)) => {
                     return lost(format!(
@@ -696,21 +781,16 @@ impl Store {
                 }
                 None => return lost("policy state not written: the claim is gone".into()),
             }
-            let exists: i64 = tx.query_row(
-                "SELECT count(*) FROM groups WHERE id = ?1",
-                params![group_id],
-                |r| r.get(0),
-            )?;
-            if exists == 0 {
+            if tx.int("SELECT count(*) FROM groups WHERE id = ?1", vals![group_id])? == 0 {
                 return Ok(());
             }
-            let stored: Option<i64> = tx
-                .query_row(
+            let stored = tx
+                .one(
                     "SELECT fence FROM policy_state WHERE group_id = ?1 AND az = ?2",
-                    params![group_id, az],
-                    |r| r.get(0),
-                )
-                .optional()?;
+                    vals![group_id, az],
+                )?
+                .map(|r| r.int(0))
+                .transpose()?;
             if let Some(f) = stored.filter(|f| *f > claim.fence) {
                 return lost(format!(
                     "policy state not written: a newer claim (fence {f}) wrote it, ours is {}",
@@ -722,7 +802,7 @@ impl Store {
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                  ON CONFLICT (group_id, az) DO UPDATE SET state = excluded.state,
                    holder = excluded.holder, fence = excluded.fence, updated_at = excluded.updated_at",
-                params![group_id, az, json, claim.holder, claim.fence, now],
+                vals![group_id, az, json, &claim.holder, claim.fence, now],
             )?;
             Ok(())
         })
@@ -730,38 +810,34 @@ impl Store {
 
     /// The group's persisted policy state, one row per AZ (by AZ name).
     pub fn policy_states(&self, group_id: &str) -> Result<Vec<PolicyStateRow>> {
-        let rows: Vec<(String, String, String, i64, i64)> = self.with(|c| {
-            let mut st = c.prepare(
+        let rows = self.with(|c| {
+            c.query(
                 "SELECT az, state, holder, fence, updated_at FROM policy_state
                  WHERE group_id = ?1 ORDER BY az",
-            )?;
-            let rows = st.query_map(params![group_id], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-            })?;
-            rows.collect()
+                vals![group_id],
+            )
         })?;
         rows.into_iter()
-            .map(|(az, state, holder, fence, updated_at)| {
+            .map(|r| {
                 Ok(PolicyStateRow {
                     group_id: group_id.to_string(),
-                    az,
-                    state: decode("policy state", &state)?,
-                    holder,
-                    fence,
-                    updated_at,
+                    az: r.text(0)?,
+                    state: decode("policy state", &r.text(1)?)?,
+                    holder: r.text(2)?,
+                    fence: r.int(3)?,
+                    updated_at: r.int(4)?,
                 })
             })
             .collect()
     }
 
     pub fn insert_se_group(&self, id: &str, spec: &SeGroupSpec) -> Result<()> {
+        let json = serde_json::to_string(spec).expect("specs serialise");
         self.insert_named(
             "SE group",
             "INSERT INTO se_groups (id, name, group_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            id,
             &spec.name,
-            &spec.autoscale_group_id,
-            spec,
+            vals![id, &spec.name, &spec.autoscale_group_id, json, now_ms()],
         )
     }
     pub fn update_se_group(&self, id: &str, spec: &SeGroupSpec) -> Result<()> {
@@ -781,13 +857,12 @@ impl Store {
     }
 
     pub fn insert_vserver(&self, id: &str, spec: &VserverSpec) -> Result<()> {
+        let json = serde_json::to_string(spec).expect("specs serialise");
         self.insert_named(
             "vserver",
             "INSERT INTO vservers (id, name, se_group_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            id,
             &spec.name,
-            &spec.se_group_id,
-            spec,
+            vals![id, &spec.name, &spec.se_group_id, json, now_ms()],
         )
     }
     pub fn update_vserver(&self, id: &str, spec: &VserverSpec) -> Result<()> {
@@ -818,10 +893,9 @@ impl Store {
 
     pub fn next_node_seq(&self, group_id: &str) -> Result<i64> {
         self.with(|c| {
-            c.query_row(
+            c.int(
                 "SELECT coalesce(max(seq), 0) + 1 FROM nodes WHERE group_id = ?1",
-                params![group_id],
-                |r| r.get(0),
+                vals![group_id],
             )
         })
     }
@@ -830,8 +904,8 @@ impl Store {
             c.execute(
                 "INSERT INTO nodes (id, group_id, az, seq, state, private_ip, public_ip, registered, handle, created_at, updated_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10)",
-                params![
-                    n.id, n.group_id, n.az, n.seq, n.state.as_str(), n.private_ip, n.public_ip,
+                vals![
+                    &n.id, &n.group_id, &n.az, n.seq, n.state.as_str(), &n.private_ip, &n.public_ip,
                     n.registered, n.handle.to_string(), n.created_at
                 ],
             )
@@ -843,59 +917,45 @@ impl Store {
             c.execute(
                 "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
                  private_ip = ?6, public_ip = ?7 WHERE id = ?1",
-                params![
-                    n.id,
+                vals![
+                    &n.id,
                     n.state.as_str(),
                     n.registered,
                     n.handle.to_string(),
                     now_ms(),
-                    n.private_ip,
-                    n.public_ip
+                    &n.private_ip,
+                    &n.public_ip
                 ],
             )
         })?;
         Ok(())
     }
     pub fn delete_node(&self, id: &str) -> Result<()> {
-        self.with(|c| c.execute("DELETE FROM nodes WHERE id = ?1", params![id]))?;
+        self.with(|c| c.execute("DELETE FROM nodes WHERE id = ?1", vals![id]))?;
         Ok(())
     }
     /// The group's nodes, oldest first.
     pub fn nodes_of_group(&self, group_id: &str) -> Result<Vec<NodeRow>> {
-        let rows: Vec<NodeRowRaw> = self.with(|c| {
-            let mut st = c.prepare(
+        let rows = self.with(|c| {
+            c.query(
                 "SELECT id, group_id, az, seq, state, private_ip, public_ip, registered, handle, created_at
                  FROM nodes WHERE group_id = ?1 ORDER BY seq",
-            )?;
-            let rows = st.query_map(params![group_id], |r| {
-                Ok(NodeRowRaw {
-                    id: r.get(0)?,
-                    group_id: r.get(1)?,
-                    az: r.get(2)?,
-                    seq: r.get(3)?,
-                    state: r.get(4)?,
-                    private_ip: r.get(5)?,
-                    public_ip: r.get(6)?,
-                    registered: r.get(7)?,
-                    handle: r.get(8)?,
-                    created_at: r.get(9)?,
-                })
-            })?;
-            rows.collect()
+                vals![group_id],
+            )
         })?;
         rows.into_iter()
             .map(|r| {
                 Ok(NodeRow {
-                    id: r.id,
-                    group_id: r.group_id,
-                    az: r.az,
-                    seq: r.seq,
-                    state: NodeState::parse(&r.state)?,
-                    private_ip: r.private_ip,
-                    public_ip: r.public_ip,
-                    registered: r.registered,
-                    handle: decode("node handle", &r.handle)?,
-                    created_at: r.created_at,
+                    id: r.text(0)?,
+                    group_id: r.text(1)?,
+                    az: r.text(2)?,
+                    seq: r.int(3)?,
+                    state: NodeState::parse(&r.text(4)?)?,
+                    private_ip: r.text(5)?,
+                    public_ip: r.opt_text(6)?,
+                    registered: r.int(7)? != 0,
+                    handle: decode("node handle", &r.text(8)?)?,
+                    created_at: r.int(9)?,
                 })
             })
             .collect()
@@ -911,11 +971,10 @@ impl Store {
         mut usable: impl FnMut(&str) -> bool,
     ) -> Result<Option<String>> {
         for addr in candidates {
-            let taken: bool = self.with(|c| {
-                c.query_row(
+            let taken = self.with(|c| {
+                c.int(
                     "SELECT count(*) FROM addresses WHERE address = ?1",
-                    params![addr],
-                    |r| r.get::<_, i64>(0),
+                    vals![&addr],
                 )
             })? > 0;
             if taken || !usable(&addr) {
@@ -923,8 +982,8 @@ impl Store {
             }
             let inserted = self.with(|c| {
                 c.execute(
-                    "INSERT OR IGNORE INTO addresses (address, owner) VALUES (?1, ?2)",
-                    params![addr, owner],
+                    "INSERT INTO addresses (address, owner) VALUES (?1, ?2) ON CONFLICT (address) DO NOTHING",
+                    vals![&addr, owner],
                 )
             })?;
             if inserted == 1 {
@@ -934,7 +993,7 @@ impl Store {
         Ok(None)
     }
     pub fn release_addresses(&self, owner: &str) -> Result<()> {
-        self.with(|c| c.execute("DELETE FROM addresses WHERE owner = ?1", params![owner]))?;
+        self.with(|c| c.execute("DELETE FROM addresses WHERE owner = ?1", vals![owner]))?;
         Ok(())
     }
 
@@ -950,24 +1009,33 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "INSERT INTO events (time_ms, group_id, az, kind, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![now_ms(), group_id, az, kind, reason],
+                vals![now_ms(), group_id, az, kind, reason],
             )
         })?;
         Ok(())
     }
     /// The most recent `limit` events of the group, oldest first.
     pub fn events_of_group(&self, group_id: &str, limit: usize) -> Result<Vec<Event>> {
-        let mut rows: Vec<Event> = self.with(|c| {
-            let mut st = c.prepare(
+        let rows = self.with(|c| {
+            c.query(
                 "SELECT time_ms, group_id, az, kind, reason FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT ?2",
-            )?;
-            let rows = st.query_map(params![group_id, limit as i64], |r| {
-                Ok(Event { time_ms: r.get(0)?, group_id: r.get(1)?, az: r.get(2)?, kind: r.get(3)?, reason: r.get(4)? })
-            })?;
-            rows.collect()
+                vals![group_id, limit as i64],
+            )
         })?;
-        rows.reverse();
-        Ok(rows)
+        let mut out = rows
+            .into_iter()
+            .map(|r| {
+                Ok(Event {
+                    time_ms: r.int(0)?,
+                    group_id: r.text(1)?,
+                    az: r.opt_text(2)?,
+                    kind: r.text(3)?,
+                    reason: r.text(4)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.reverse();
+        Ok(out)
     }
 
     // --- leases -----------------------------------------------------------------
@@ -981,19 +1049,11 @@ impl Store {
             // A daemon's claim on a group that is gone (destroyed between the
             // daemon listing the groups and claiming one) must not leave a row.
             if let Some(claimed) = group_id.strip_prefix("daemon/") {
-                let exists: Option<i64> = tx
-                    .query_row("SELECT 1 FROM groups WHERE id = ?1", params![claimed], |r| r.get(0))
-                    .optional()?;
-                if exists.is_none() {
+                if tx.one("SELECT 1 FROM groups WHERE id = ?1", vals![claimed])?.is_none() {
                     return Err(StoreError::GroupGone(claimed.to_string()));
                 }
             }
-            let cur: Option<(String, i64, i64)> = tx
-                .query_row("SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1", params![group_id], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })
-                .optional()?;
-            let fence = match cur {
+            let fence = match lease_row(tx, group_id)? {
                 Some((h, fence, _)) if h == holder => fence,
                 Some((h, _, exp)) if exp > now => {
                     return Err(StoreError::LeaseHeld { group: group_id.into(), holder: h, expires_in_ms: exp - now })
@@ -1004,7 +1064,7 @@ impl Store {
             tx.execute(
                 "INSERT INTO leases (group_id, holder, fence, expires_ms) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder, fence = excluded.fence, expires_ms = excluded.expires_ms",
-                params![group_id, holder, fence, expires],
+                vals![group_id, holder, fence, expires],
             )?;
             Ok(Lease { group_id: group_id.into(), holder: holder.into(), fence, expires_ms: expires })
         })
@@ -1014,10 +1074,10 @@ impl Store {
     /// unlike acquiring it to learn the fence, this never creates a row (a group
     /// that is gone keeps no lease).
     pub fn release_lease_of(&self, key: &str, holder: &str) -> Result<()> {
-        self.with(|c| {
+        self.tx(|c| {
             c.execute(
                 "UPDATE leases SET expires_ms = 0 WHERE group_id = ?1 AND holder = ?2",
-                params![key, holder],
+                vals![key, holder],
             )
         })?;
         Ok(())
@@ -1025,10 +1085,10 @@ impl Store {
 
     /// Gives the lease up at once (only if still ours).
     pub fn release_lease(&self, lease: &Lease) -> Result<()> {
-        self.with(|c| {
+        self.tx(|c| {
             c.execute(
                 "UPDATE leases SET expires_ms = 0 WHERE group_id = ?1 AND holder = ?2 AND fence = ?3",
-                params![lease.group_id, lease.holder, lease.fence],
+                vals![&lease.group_id, &lease.holder, lease.fence],
             )
         })?;
         Ok(())
@@ -1039,10 +1099,10 @@ impl Store {
     /// was released). A lease that expired but that nobody took is still ours.
     pub fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
         let expires = now_ms() + ttl.as_millis() as i64;
-        let n = self.with(|c| {
+        let n = self.tx(|c| {
             c.execute(
                 "UPDATE leases SET expires_ms = ?4 WHERE group_id = ?1 AND holder = ?2 AND fence = ?3 AND expires_ms > 0",
-                params![lease.group_id, lease.holder, lease.fence, expires],
+                vals![&lease.group_id, &lease.holder, lease.fence, expires],
             )
         })?;
         if n == 0 {
@@ -1063,14 +1123,7 @@ impl Store {
     /// The fence check before a side effect: Ok only while `lease` is the
     /// group's current, unexpired lease.
     pub fn check_lease(&self, lease: &Lease) -> Result<()> {
-        let cur: Option<(String, i64, i64)> = self.with(|c| {
-            c.query_row(
-                "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
-                params![lease.group_id],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()
-        })?;
+        let cur = self.with(|c| lease_row(c, &lease.group_id))?;
         let lost = |detail: String| {
             Err(StoreError::LeaseLost {
                 group: lease.group_id.clone(),
@@ -1105,7 +1158,7 @@ impl Store {
         if !TABLES.contains(&table) {
             return Err(StoreError::Sql(format!("no table {table:?}")));
         }
-        self.with(|c| c.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0)))
+        self.with(|c| c.int(&format!("SELECT count(*) FROM {table}"), &[]))
     }
 
     /// Counts rows that mention the id anywhere (used by tests to prove a clean destroy).
@@ -1127,36 +1180,31 @@ impl Store {
             ("addresses", "owner"),
         ] {
             total += self.with(|c| {
-                c.query_row(
+                c.int(
                     &format!("SELECT count(*) FROM {table} WHERE {col} = ?1"),
-                    params![id],
-                    |r| r.get::<_, i64>(0),
+                    vals![id],
                 )
             })?;
         }
         // A daemon's claim on a group is a lease keyed `daemon/<group>`.
         total += self.with(|c| {
-            c.query_row(
+            c.int(
                 "SELECT count(*) FROM leases WHERE group_id = ?1",
-                params![daemon_claim_key(id)],
-                |r| r.get::<_, i64>(0),
+                vals![daemon_claim_key(id)],
             )
         })?;
         Ok(total)
     }
 }
 
-struct NodeRowRaw {
-    id: String,
-    group_id: String,
-    az: String,
-    seq: i64,
-    state: String,
-    private_ip: String,
-    public_ip: Option<String>,
-    registered: bool,
-    handle: String,
-    created_at: i64,
+/// The lease row of `key`: holder, fence, expiry.
+fn lease_row(c: &mut dyn Db, key: &str) -> Result<Option<(String, i64, i64)>> {
+    c.one(
+        "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
+        vals![key],
+    )?
+    .map(|r| Ok((r.text(0)?, r.int(1)?, r.int(2)?)))
+    .transpose()
 }
 
 fn table_of(kind: &str) -> &'static str {
@@ -1196,6 +1244,8 @@ fn restrict_to_owner(_: &Path) {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store_test;
+    use crate::store_testing::{Kind, TestStore};
 
     fn tmp() -> PathBuf {
         let d = std::env::temp_dir().join(format!(
@@ -1207,9 +1257,8 @@ mod tests {
         d.join("state.db")
     }
 
-    #[test]
-    fn lease_excludes_a_second_holder_and_fences_the_next() {
-        let s = Store::open(&tmp()).unwrap();
+    store_test!(lease_excludes_a_second_holder_and_fences_the_next, |ts| {
+        let s = ts.open();
         let a = s.acquire_lease("g1", "a", Duration::from_secs(30)).unwrap();
         assert!(matches!(
             s.acquire_lease("g1", "b", Duration::from_secs(30)),
@@ -1225,77 +1274,230 @@ mod tests {
         s.release_lease(&a).unwrap();
         let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
         assert!(b.fence > a.fence);
-    }
+    });
 
-    #[test]
-    fn a_renewed_lease_is_checked_and_a_taken_over_one_is_lost() {
-        let s = Store::open(&tmp()).unwrap();
-        let a = s
-            .acquire_lease("g1", "a", Duration::from_millis(50))
-            .unwrap();
-        s.check_lease(&a).unwrap();
-        let a = s.renew_lease(&a, Duration::from_secs(30)).unwrap();
-        s.check_lease(&a).unwrap();
-        // Expired and taken over by b: a's renewal and check both fail.
-        let short = s.renew_lease(&a, Duration::from_millis(1)).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-        assert!(matches!(
-            s.check_lease(&short),
-            Err(StoreError::LeaseLost { .. })
-        ));
-        let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
-        assert!(matches!(
-            s.renew_lease(&a, Duration::from_secs(30)),
-            Err(StoreError::LeaseLost { .. })
-        ));
-        assert!(matches!(
-            s.check_lease(&a),
-            Err(StoreError::LeaseLost { .. })
-        ));
-        s.check_lease(&b).unwrap();
-        // Released: renewing it does not bring it back.
-        s.release_lease(&b).unwrap();
-        assert!(s.renew_lease(&b, Duration::from_secs(30)).is_err());
-    }
+    store_test!(
+        a_renewed_lease_is_checked_and_a_taken_over_one_is_lost,
+        |ts| {
+            let s = ts.open();
+            let a = s
+                .acquire_lease("g1", "a", Duration::from_millis(50))
+                .unwrap();
+            s.check_lease(&a).unwrap();
+            let a = s.renew_lease(&a, Duration::from_secs(30)).unwrap();
+            s.check_lease(&a).unwrap();
+            // Expired and taken over by b: a's renewal and check both fail.
+            let short = s.renew_lease(&a, Duration::from_millis(1)).unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+            assert!(matches!(
+                s.check_lease(&short),
+                Err(StoreError::LeaseLost { .. })
+            ));
+            let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
+            assert!(matches!(
+                s.renew_lease(&a, Duration::from_secs(30)),
+                Err(StoreError::LeaseLost { .. })
+            ));
+            assert!(matches!(
+                s.check_lease(&a),
+                Err(StoreError::LeaseLost { .. })
+            ));
+            s.check_lease(&b).unwrap();
+            // Released: renewing it does not bring it back.
+            s.release_lease(&b).unwrap();
+            assert!(s.renew_lease(&b, Duration::from_secs(30)).is_err());
+        }
+    );
 
-    #[test]
-    fn lease_is_shared_across_processes_through_the_file() {
-        let p = tmp();
-        let s1 = Store::open(&p).unwrap();
-        let s2 = Store::open(&p).unwrap();
-        s1.acquire_lease("g", "one", Duration::from_secs(30))
+    // Two handles on one store are two daemons (two processes, two connections).
+    store_test!(lease_is_shared_across_processes_through_the_store, |ts| {
+        let s1 = ts.open();
+        let s2 = ts.open();
+        let one = s1
+            .acquire_lease("g", "one", Duration::from_millis(100))
             .unwrap();
-        assert!(s2
+        assert!(matches!(
+            s2.acquire_lease("g", "two", Duration::from_secs(30)),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        std::thread::sleep(Duration::from_millis(150));
+        // Expired: the other handle takes it over with a higher fence, and the
+        // first one's fence check fails from then on.
+        let two = s2
             .acquire_lease("g", "two", Duration::from_secs(30))
-            .is_err());
-    }
+            .unwrap();
+        assert!(two.fence > one.fence);
+        assert!(matches!(
+            s1.check_lease(&one),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        assert!(matches!(
+            s1.renew_lease(&one, Duration::from_secs(30)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        s1.check_lease(&two).unwrap();
+    });
 
-    #[test]
-    fn a_newer_store_is_refused_and_left_untouched() {
-        let p = tmp();
-        drop(Store::open(&p).unwrap());
-        let c = Connection::open(&p).unwrap();
-        c.execute(
-            "UPDATE meta SET value = '99' WHERE key = 'schema_version'",
-            [],
-        )
-        .unwrap();
-        drop(c);
-        let err = Store::open(&p).err().unwrap();
+    // Many handles race for one free lease: exactly one wins each round, and
+    // a new winner's fence is higher than every fence before it (a holder that
+    // takes its own released lease back keeps its fence).
+    store_test!(racing_handles_get_exactly_one_lease_per_round, |ts| {
+        let stores: Vec<std::sync::Arc<Store>> =
+            (0..4).map(|_| std::sync::Arc::new(ts.open())).collect();
+        let mut last: Option<Lease> = None;
+        for round in 0..8 {
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(stores.len()));
+            let handles: Vec<_> = stores
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let s = s.clone();
+                    let b = barrier.clone();
+                    std::thread::spawn(move || {
+                        b.wait();
+                        s.acquire_lease("g", &format!("d{i}"), Duration::from_secs(30))
+                    })
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let won: Vec<&Lease> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+            assert_eq!(won.len(), 1, "round {round}: {results:?}");
+            for r in &results {
+                if let Err(e) = r {
+                    assert!(matches!(e, StoreError::LeaseHeld { .. }), "{e:?}");
+                }
+            }
+            match &last {
+                Some(l) if l.holder == won[0].holder => assert_eq!(won[0].fence, l.fence),
+                Some(l) => assert!(won[0].fence > l.fence, "round {round}"),
+                None => assert_eq!(won[0].fence, 1),
+            }
+            last = Some(won[0].clone());
+            stores[0].release_lease(won[0]).unwrap();
+        }
+    });
+
+    store_test!(a_newer_store_is_refused_and_left_untouched, |ts| {
+        drop(ts.open());
+        ts.raw("UPDATE meta SET value = '99' WHERE key = 'schema_version'");
+        let err = ts.try_open().err().unwrap();
+        assert!(
+            matches!(err, StoreError::TooNew { found: 99, .. }),
+            "{err:?}"
+        );
         assert!(
             err.to_string().contains("schema version 99, newer"),
             "{err}"
         );
-        let c = Connection::open(&p).unwrap();
-        let v: String = c
-            .query_row(
-                "SELECT value FROM meta WHERE key='schema_version'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(v, "99");
-    }
+        assert_eq!(
+            ts.raw_text("SELECT value FROM meta WHERE key='schema_version'")
+                .as_deref(),
+            Some("99")
+        );
+    });
+
+    store_test!(a_store_with_foreign_tables_is_refused, |ts| {
+        ts.raw("CREATE TABLE someone_elses (x INTEGER)");
+        let err = ts.try_open().err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("it has tables but no lbscale schema version"),
+            "{err}"
+        );
+    });
+
+    store_test!(a_locked_store_gives_a_clear_error_and_loses_nothing, |ts| {
+        let s = match ts.kind {
+            Kind::Sqlite => {
+                Store::open_with_busy_timeout(&ts.dir.join("state.db"), Duration::from_millis(200))
+                    .unwrap()
+            }
+            Kind::Postgres => {
+                Store::open_postgres(&ts.url, &ts.dir, Duration::from_millis(200)).unwrap()
+            }
+        };
+        s.record_event("g", None, "before", "kept").unwrap();
+        let lock = ts.hold_write_lock();
+        let err = s
+            .acquire_lease("g", "me", Duration::from_secs(5))
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Locked(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("locked by another process"),
+            "{err}"
+        );
+        drop(lock);
+        // Once the other writer is gone, the same call works and nothing was lost.
+        s.acquire_lease("g", "me", Duration::from_secs(5)).unwrap();
+        assert_eq!(s.events_of_group("g", 10).unwrap().len(), 1);
+    });
+
+    store_test!(names_are_unique_per_kind, |ts| {
+        let s = ts.open();
+        let spec = DistributorSpec {
+            name: "d".into(),
+            cloud: "local".into(),
+            mode: "dns".into(),
+            domain: None,
+            ttl: "60s".into(),
+        };
+        s.insert_distributor("td-1", &spec).unwrap();
+        let err = s.insert_distributor("td-2", &spec).unwrap_err();
+        assert!(err.to_string().contains("already exists"), "{err}");
+        assert_eq!(s.distributor_by_name("d").unwrap().unwrap().id, "td-1");
+        assert_eq!(s.count_rows("distributors").unwrap(), 1);
+    });
+
+    store_test!(nodes_events_and_addresses_round_trip, |ts| {
+        let s = ts.open();
+        let n = NodeRow {
+            id: "n1".into(),
+            group_id: "g".into(),
+            az: "az1".into(),
+            seq: s.next_node_seq("g").unwrap(),
+            state: NodeState::Joining,
+            private_ip: "127.0.0.2".into(),
+            public_ip: None,
+            registered: false,
+            handle: serde_json::json!({"pid": 7}),
+            created_at: 5,
+        };
+        s.insert_node(&n).unwrap();
+        assert_eq!(s.next_node_seq("g").unwrap(), 2);
+        let mut m = n.clone();
+        m.state = NodeState::Active;
+        m.registered = true;
+        m.public_ip = Some("1.2.3.4".into());
+        s.update_node(&m).unwrap();
+        assert_eq!(s.nodes_of_group("g").unwrap(), vec![m]);
+        for i in 0..5 {
+            s.record_event("g", (i % 2 == 0).then_some("az1"), "k", &format!("r{i}"))
+                .unwrap();
+        }
+        let ev = s.events_of_group("g", 3).unwrap();
+        let reasons: Vec<_> = ev.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(reasons, ["r2", "r3", "r4"]);
+        assert_eq!(ev[0].az.as_deref(), Some("az1"));
+        assert_eq!(ev[1].az, None);
+        let cands = || ["127.0.0.5", "127.0.0.6"].into_iter().map(String::from);
+        assert_eq!(
+            s.reserve_address("o1", cands(), |_| true)
+                .unwrap()
+                .as_deref(),
+            Some("127.0.0.5")
+        );
+        assert_eq!(
+            s.reserve_address("o2", cands(), |_| true)
+                .unwrap()
+                .as_deref(),
+            Some("127.0.0.6")
+        );
+        assert_eq!(s.reserve_address("o3", cands(), |_| true).unwrap(), None);
+        s.release_addresses("o1").unwrap();
+        assert_eq!(s.rows_mentioning("o1").unwrap(), 0);
+        s.delete_node("n1").unwrap();
+        assert_eq!(s.count_rows("nodes").unwrap(), 0);
+    });
 
     #[test]
     fn a_file_that_is_not_a_store_is_reported_and_kept() {
@@ -1313,45 +1515,6 @@ mod tests {
     }
 
     #[test]
-    fn a_locked_store_gives_a_clear_error_and_loses_nothing() {
-        let p = tmp();
-        let s = Store::open_with_busy_timeout(&p, Duration::from_millis(200)).unwrap();
-        s.record_event("g", None, "before", "kept").unwrap();
-        let mut other = Connection::open(&p).unwrap();
-        let tx = other
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .unwrap();
-        let err = s
-            .acquire_lease("g", "me", Duration::from_secs(5))
-            .unwrap_err();
-        assert!(matches!(err, StoreError::Locked(_)), "{err:?}");
-        assert!(
-            err.to_string().contains("locked by another process"),
-            "{err}"
-        );
-        drop(tx);
-        // Once the other writer is gone, the same call works and nothing was lost.
-        s.acquire_lease("g", "me", Duration::from_secs(5)).unwrap();
-        assert_eq!(s.events_of_group("g", 10).unwrap().len(), 1);
-    }
-
-    #[test]
-    fn names_are_unique_per_kind() {
-        let s = Store::open(&tmp()).unwrap();
-        let spec = DistributorSpec {
-            name: "d".into(),
-            cloud: "local".into(),
-            mode: "dns".into(),
-            domain: None,
-            ttl: "60s".into(),
-        };
-        s.insert_distributor("td-1", &spec).unwrap();
-        let err = s.insert_distributor("td-2", &spec).unwrap_err();
-        assert!(err.to_string().contains("already exists"), "{err}");
-        assert_eq!(s.distributor_by_name("d").unwrap().unwrap().id, "td-1");
-    }
-
-    #[test]
     fn the_store_file_is_private() {
         use std::os::unix::fs::PermissionsExt;
         let p = tmp();
@@ -1360,5 +1523,79 @@ mod tests {
             std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o600
         );
+    }
+
+    #[test]
+    fn a_postgres_url_with_a_wrong_password_fails_without_showing_it() {
+        let Some(ts) = TestStore::new(Kind::Postgres, "wrong_password") else {
+            return;
+        };
+        // The test server's user with a password it does not have.
+        let url = ts.url.clone();
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let (userinfo, host) = rest.split_once('@').unwrap();
+        let user = userinfo.split(':').next().unwrap();
+        let bad = format!("{scheme}://{user}:NotThePassword42@{host}");
+        let err = Store::open_url(&bad, &ts.dir).err().unwrap();
+        let msg = err.to_string();
+        assert!(!msg.contains("NotThePassword42"), "{msg}");
+        assert!(msg.contains(":***@"), "{msg}");
+        assert!(msg.contains("password authentication failed"), "{msg}");
+        // A server that is not there: a clear error, not a hang or a panic.
+        let err = Store::open_url("postgres://u:Secret99@127.0.0.1:1/db", &ts.dir)
+            .err()
+            .unwrap();
+        let msg = err.to_string();
+        assert!(!msg.contains("Secret99"), "{msg}");
+        assert!(
+            msg.starts_with("cannot open the store at postgres://u:***@127.0.0.1:1/db"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_postgres_store_can_live_in_a_schema_of_its_own() {
+        let Some(ts) = TestStore::new(Kind::Postgres, "schema") else {
+            return;
+        };
+        ts.raw("CREATE TABLE someone_elses (x INTEGER); CREATE SCHEMA lbs");
+        let url = format!("{}?options=-csearch_path%3Dlbs", ts.url);
+        let s = Store::open_url(&url, &ts.dir).unwrap();
+        s.record_event("g", None, "k", "r").unwrap();
+        drop(s);
+        let s = Store::open_url(&url, &ts.dir).unwrap();
+        assert_eq!(s.count_rows("events").unwrap(), 1);
+        assert_eq!(
+            ts.raw_text("SELECT table_schema::text FROM information_schema.tables WHERE table_name = 'events'")
+                .as_deref(),
+            Some("lbs")
+        );
+        // TLS is not built: a URL that requires it is refused, not downgraded.
+        let err = Store::open_url(&format!("{}?sslmode=require", ts.url), &ts.dir)
+            .err()
+            .unwrap();
+        assert!(matches!(err, StoreError::Open { .. }), "{err}");
+    }
+
+    #[test]
+    fn the_postgres_store_reports_where_it_is_without_the_password() {
+        let Some(ts) = TestStore::new(Kind::Postgres, "location") else {
+            return;
+        };
+        let s = ts.open();
+        assert_eq!(s.backend_name(), "postgres");
+        assert!(s.path().is_none());
+        assert_eq!(s.local_dir(), ts.dir.join(".lbscale"));
+        if let Some(pw) = ts
+            .url
+            .split_once("://")
+            .unwrap()
+            .1
+            .split_once('@')
+            .and_then(|(u, _)| u.split_once(':'))
+            .map(|(_, p)| p)
+        {
+            assert!(!s.location().contains(pw), "{}", s.location());
+        }
     }
 }

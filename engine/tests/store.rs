@@ -1,27 +1,15 @@
 //! The daemon's persisted policy state in the store: written under the group's
 //! daemon claim, fenced against a stale writer, gone with the group.
+//!
+//! Every test runs twice: on SQLite (`NAME::sqlite`) and on PostgreSQL
+//! (`NAME::postgres`, against `LBSCALE_TEST_POSTGRES_URL`; see
+//! `lbscale_engine::store_testing`).
 
 use lbscale_core::policy::{AzState, Phase};
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::store::{daemon_claim_key, Store, StoreError};
-use std::path::PathBuf;
+use lbscale_engine::store_test;
 use std::time::Duration;
-
-fn store() -> Store {
-    let dir = std::env::temp_dir().join(format!(
-        "lbscale-store-it-{}-{}",
-        std::process::id(),
-        rand_suffix()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    Store::open(&dir.join("state.db")).unwrap()
-}
-
-fn rand_suffix() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::SeqCst)
-}
 
 fn group(s: &Store, id: &str) {
     let spec = GroupSpec {
@@ -48,44 +36,45 @@ fn cooling(until: u64) -> AzState {
     st
 }
 
-#[test]
-fn policy_state_is_written_read_and_overwritten_under_the_claim() {
-    let s = store();
-    group(&s, "g1");
-    let claim = s
-        .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
-        .unwrap();
-    s.put_policy_state(&claim, "g1", "az1", &cooling(1_000))
-        .unwrap();
-    let mut evaluating = AzState::new(1);
-    evaluating.out_streak = [1, 0, 0];
-    s.put_policy_state(&claim, "g1", "az2", &evaluating)
-        .unwrap();
-    let rows = s.policy_states("g1").unwrap();
-    assert_eq!(rows.len(), 2);
-    assert_eq!(
-        (rows[0].az.as_str(), rows[0].state),
-        ("az1", cooling(1_000))
-    );
-    assert_eq!((rows[1].az.as_str(), rows[1].state), ("az2", evaluating));
-    assert_eq!(
-        (rows[0].holder.as_str(), rows[0].fence),
-        ("daemon-a", claim.fence)
-    );
+store_test!(
+    policy_state_is_written_read_and_overwritten_under_the_claim,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        let claim = s
+            .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
+            .unwrap();
+        s.put_policy_state(&claim, "g1", "az1", &cooling(1_000))
+            .unwrap();
+        let mut evaluating = AzState::new(1);
+        evaluating.out_streak = [1, 0, 0];
+        s.put_policy_state(&claim, "g1", "az2", &evaluating)
+            .unwrap();
+        let rows = s.policy_states("g1").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(
+            (rows[0].az.as_str(), rows[0].state),
+            ("az1", cooling(1_000))
+        );
+        assert_eq!((rows[1].az.as_str(), rows[1].state), ("az2", evaluating));
+        assert_eq!(
+            (rows[0].holder.as_str(), rows[0].fence),
+            ("daemon-a", claim.fence)
+        );
 
-    // Overwritten in place.
-    s.put_policy_state(&claim, "g1", "az1", &cooling(2_000))
-        .unwrap();
-    let rows = s.policy_states("g1").unwrap();
-    assert_eq!(rows.len(), 2);
-    assert_eq!(rows[0].state, cooling(2_000));
-    // Another group sees none of it.
-    assert!(s.policy_states("g2").unwrap().is_empty());
-}
+        // Overwritten in place.
+        s.put_policy_state(&claim, "g1", "az1", &cooling(2_000))
+            .unwrap();
+        let rows = s.policy_states("g1").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].state, cooling(2_000));
+        // Another group sees none of it.
+        assert!(s.policy_states("g2").unwrap().is_empty());
+    }
+);
 
-#[test]
-fn a_writer_whose_claim_was_taken_over_is_refused() {
-    let s = store();
+store_test!(a_writer_whose_claim_was_taken_over_is_refused, |ts| {
+    let s = ts.open();
     group(&s, "g1");
     let key = daemon_claim_key("g1");
     let old = s
@@ -115,80 +104,103 @@ fn a_writer_whose_claim_was_taken_over_is_refused() {
         (rows[0].holder.as_str(), rows[0].fence),
         ("daemon-b", new.fence)
     );
-}
+});
 
-#[test]
-fn deleting_the_group_removes_its_policy_state_and_claim() {
-    let s = store();
-    group(&s, "g1");
-    group(&s, "g2");
-    let c1 = s
-        .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
-        .unwrap();
-    let c2 = s
-        .acquire_lease(&daemon_claim_key("g2"), "daemon-a", Duration::from_secs(30))
-        .unwrap();
-    s.put_policy_state(&c1, "g1", "az1", &cooling(1)).unwrap();
-    s.put_policy_state(&c2, "g2", "az1", &cooling(1)).unwrap();
-    assert_eq!(s.count_rows("policy_state").unwrap(), 2);
-
-    s.delete_group("g1").unwrap();
-    assert!(s.policy_states("g1").unwrap().is_empty());
-    assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
-    assert_eq!(s.policy_states("g2").unwrap().len(), 1);
-    // The claim went with the group: a daemon still evaluating it cannot write
-    // a row back.
-    assert!(matches!(
-        s.put_policy_state(&c1, "g1", "az1", &cooling(1)),
-        Err(StoreError::LeaseLost { .. })
-    ));
-    // Nor can one claim the deleted group afresh (which would leave a lease row
-    // for a group that is gone).
-    assert!(matches!(
-        s.acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30)),
-        Err(StoreError::GroupGone(_))
-    ));
-    assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
-    assert_eq!(s.count_rows("policy_state").unwrap(), 1);
-}
-
-#[test]
-fn a_store_of_schema_version_1_gains_the_policy_state_table() {
-    let dir = std::env::temp_dir().join(format!("lbscale-store-it-m-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path: PathBuf = dir.join("state.db");
-    let _ = std::fs::remove_file(&path);
-    {
-        let s = Store::open(&path).unwrap();
+store_test!(
+    deleting_the_group_removes_its_policy_state_and_claim,
+    |ts| {
+        let s = ts.open();
         group(&s, "g1");
+        group(&s, "g2");
+        let c1 = s
+            .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
+            .unwrap();
+        let c2 = s
+            .acquire_lease(&daemon_claim_key("g2"), "daemon-a", Duration::from_secs(30))
+            .unwrap();
+        s.put_policy_state(&c1, "g1", "az1", &cooling(1)).unwrap();
+        s.put_policy_state(&c2, "g2", "az1", &cooling(1)).unwrap();
+        assert_eq!(s.count_rows("policy_state").unwrap(), 2);
+
+        s.delete_group("g1").unwrap();
+        assert!(s.policy_states("g1").unwrap().is_empty());
+        assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
+        assert_eq!(s.policy_states("g2").unwrap().len(), 1);
+        // The claim went with the group: a daemon still evaluating it cannot write
+        // a row back.
+        assert!(matches!(
+            s.put_policy_state(&c1, "g1", "az1", &cooling(1)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        // Nor can one claim the deleted group afresh (which would leave a lease row
+        // for a group that is gone).
+        assert!(matches!(
+            s.acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30)),
+            Err(StoreError::GroupGone(_))
+        ));
+        assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
+        assert_eq!(s.count_rows("policy_state").unwrap(), 1);
     }
-    // Back to what version 1 wrote: no policy_state table.
-    {
-        let c = rusqlite::Connection::open(&path).unwrap();
-        c.execute_batch(
+);
+
+store_test!(
+    a_store_of_schema_version_1_gains_the_policy_state_table,
+    |ts| {
+        {
+            let s = ts.open();
+            group(&s, "g1");
+        }
+        // Back to what version 1 wrote: no policy_state table.
+        ts.raw(
             "DROP TABLE policy_state; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
-        )
-        .unwrap();
+        );
+        let s = ts.open();
+        assert!(
+            s.group("g1").unwrap().is_some(),
+            "data of version 1 is kept"
+        );
+        let c = s
+            .acquire_lease(&daemon_claim_key("g1"), "d", Duration::from_secs(30))
+            .unwrap();
+        s.put_policy_state(&c, "g1", "az1", &cooling(9)).unwrap();
+        drop(s);
+        let s = ts.open();
+        assert_eq!(s.policy_states("g1").unwrap()[0].state, cooling(9));
+        assert_eq!(
+            ts.raw_text("SELECT value FROM meta WHERE key = 'schema_version'")
+                .as_deref(),
+            Some("2")
+        );
     }
-    let s = Store::open(&path).unwrap();
-    assert!(
-        s.group("g1").unwrap().is_some(),
-        "data of version 1 is kept"
-    );
-    let c = s
-        .acquire_lease(&daemon_claim_key("g1"), "d", Duration::from_secs(30))
-        .unwrap();
-    s.put_policy_state(&c, "g1", "az1", &cooling(9)).unwrap();
-    drop(s);
-    let s = Store::open(&path).unwrap();
-    assert_eq!(s.policy_states("g1").unwrap()[0].state, cooling(9));
-    let c = rusqlite::Connection::open(&path).unwrap();
-    let v: String = c
-        .query_row(
-            "SELECT value FROM meta WHERE key = 'schema_version'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
-    assert_eq!(v, "2");
-}
+);
+
+// Two handles on one store (two daemons): a claim taken over through the other
+// handle fences the first one's policy-state writes.
+store_test!(
+    a_claim_taken_over_through_another_handle_fences_the_first,
+    |ts| {
+        let a = ts.open();
+        let b = ts.open();
+        group(&a, "g1");
+        let key = daemon_claim_key("g1");
+        let old = a
+            .acquire_lease(&key, "daemon-a", Duration::from_millis(50))
+            .unwrap();
+        a.put_policy_state(&old, "g1", "az1", &cooling(1)).unwrap();
+        assert!(matches!(
+            b.acquire_lease(&key, "daemon-b", Duration::from_secs(30)),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        std::thread::sleep(Duration::from_millis(80));
+        let new = b
+            .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(new.fence, old.fence + 1);
+        b.put_policy_state(&new, "g1", "az1", &cooling(7)).unwrap();
+        assert!(matches!(
+            a.put_policy_state(&old, "g1", "az1", &cooling(1)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        assert_eq!(a.policy_states("g1").unwrap()[0].state, cooling(7));
+    }
+);

@@ -126,7 +126,7 @@ impl Provider for LbscaleProvider {
                     "state",
                     optional(
                         AttributeType::String,
-                        "The store shared with the daemon: `sqlite://PATH` (relative to Terraform's working directory). Default `sqlite://.lbscale/state.db`.",
+                        "The store shared with the daemon: `sqlite://PATH` (relative to Terraform's working directory) or `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` (several daemons on several machines). Default `sqlite://.lbscale/state.db`.",
                     ),
                 )],
                 vec![

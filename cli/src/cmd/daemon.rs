@@ -44,10 +44,13 @@ pub fn flag_pairs(args: &[String], known: &str) -> Result<Vec<(String, String)>,
 }
 
 pub fn check_state_url(url: &str) -> Result<(), CliError> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok(());
+    }
     match url.strip_prefix("sqlite://") {
         Some(rest) if !rest.is_empty() => Ok(()),
         _ => Err(CliError::Usage(format!(
-            "--state: must be sqlite://PATH (relative to the current directory), got {url:?}"
+            "--state: must be sqlite://PATH (relative to the current directory) or postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE, got {url:?}"
         ))),
     }
 }
@@ -112,7 +115,9 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         }
     }
     let state = state.ok_or_else(|| {
-        CliError::Usage("--state: must be given (sqlite://PATH), got nothing".into())
+        CliError::Usage(
+            "--state: must be given (sqlite://PATH or postgres://...), got nothing".into(),
+        )
     })?;
     init_logs(json_logs);
     let cwd =

@@ -33,7 +33,9 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         }
     }
     let state = state.ok_or_else(|| {
-        CliError::Usage("--state: must be given (sqlite://PATH), got nothing".into())
+        CliError::Usage(
+            "--state: must be given (sqlite://PATH or postgres://...), got nothing".into(),
+        )
     })?;
     let cwd =
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;

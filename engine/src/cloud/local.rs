@@ -163,11 +163,7 @@ pub struct LocalCloud {
 
 impl LocalCloud {
     pub fn new(settings: LocalSettings, store: Arc<Store>) -> LocalCloud {
-        let root = store
-            .path()
-            .parent()
-            .unwrap_or(Path::new("."))
-            .join("local");
+        let root = store.local_dir().join("local");
         LocalCloud {
             settings,
             store,

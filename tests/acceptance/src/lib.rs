@@ -55,6 +55,8 @@ impl Output {
 pub struct Workspace {
     pub dir: PathBuf,
     pub prefix: String,
+    /// The provider's `state` URL; `None` for the default SQLite file.
+    pub state: Option<String>,
     cli_config: PathBuf,
     applied: bool,
 }
@@ -84,6 +86,7 @@ impl Workspace {
         Workspace {
             dir,
             prefix: format!("127.{octet}."),
+            state: None,
             cli_config,
             applied: false,
         }
@@ -98,12 +101,16 @@ impl Workspace {
   }}
 }}
 
-provider "lbscale" {{
+provider "lbscale" {{{}
   local {{
     address_prefix = "{}"
   }}
 }}
 "#,
+            self.state
+                .as_ref()
+                .map(|s| format!("\n  state = {s:?}"))
+                .unwrap_or_default(),
             self.prefix
         )
     }
@@ -211,7 +218,13 @@ provider "lbscale" {{
 
     /// The store of this workspace.
     pub fn store(&self) -> lbscale_engine::store::Store {
-        lbscale_engine::store::Store::open(&self.dir.join(".lbscale/state.db")).expect("open store")
+        match &self.state {
+            Some(url) => {
+                lbscale_engine::store::Store::open_url(url, &self.dir).expect("open store")
+            }
+            None => lbscale_engine::store::Store::open(&self.dir.join(".lbscale/state.db"))
+                .expect("open store"),
+        }
     }
 
     /// The engine on this workspace's store and local cloud, as the daemon opens
@@ -222,8 +235,11 @@ provider "lbscale" {{
             node_binary: Some(bin_dir().join("lbscale-node")),
             ..Default::default()
         };
-        lbscale_engine::Engine::open("sqlite://.lbscale/state.db", &self.dir, settings)
-            .expect("open the engine")
+        let url = self
+            .state
+            .as_deref()
+            .unwrap_or("sqlite://.lbscale/state.db");
+        lbscale_engine::Engine::open(url, &self.dir, settings).expect("open the engine")
     }
 
     /// A node's statistics, read from its management API with the group's token

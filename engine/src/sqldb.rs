@@ -1,0 +1,598 @@
+//! The store's small SQL layer: one set of queries, two databases.
+//!
+//! The store writes its SQL once, in the portable subset that SQLite and
+//! PostgreSQL share, with `?N` placeholders, and runs it through [`Db`]:
+//! `query`, `execute` and `batch` over [`Value`]s (integers, text, NULL). The
+//! differences between the two databases are all here:
+//!
+//! - placeholders: `?N` as written for SQLite, `$N` for PostgreSQL;
+//! - DDL ([`pg_ddl`]): PostgreSQL gets `BIGINT` for every integer column (it has
+//!   strict integer types), an identity column for `AUTOINCREMENT`, and `TEXT
+//!   COLLATE "C"` so that `ORDER BY` sorts as SQLite's byte order does;
+//! - which tables exist ([`Dialect::tables_sql`]);
+//! - errors: a lock wait that timed out is [`StoreError::Locked`] on both.
+//!
+//! PostgreSQL is reached through the synchronous `postgres` client, which runs its
+//! own Tokio runtime and must not be called on a thread that drives async tasks
+//! (the provider and the daemon call the store from async code). So the client
+//! lives on a dedicated thread ([`PgConn`]); each call sends it the SQL and owned
+//! parameters over a channel and waits for the rows, as a SQLite call blocks on
+//! the file.
+
+use crate::store::{Result, StoreError};
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A parameter or a column value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Value {
+    Null,
+    Int(i64),
+    Text(String),
+}
+
+impl From<i64> for Value {
+    fn from(v: i64) -> Self {
+        Value::Int(v)
+    }
+}
+impl From<bool> for Value {
+    fn from(v: bool) -> Self {
+        Value::Int(v as i64)
+    }
+}
+impl From<&str> for Value {
+    fn from(v: &str) -> Self {
+        Value::Text(v.to_string())
+    }
+}
+impl From<String> for Value {
+    fn from(v: String) -> Self {
+        Value::Text(v)
+    }
+}
+impl From<&String> for Value {
+    fn from(v: &String) -> Self {
+        Value::Text(v.clone())
+    }
+}
+impl<T: Into<Value>> From<Option<T>> for Value {
+    fn from(v: Option<T>) -> Self {
+        v.map_or(Value::Null, Into::into)
+    }
+}
+impl From<&Option<String>> for Value {
+    fn from(v: &Option<String>) -> Self {
+        v.as_deref().map_or(Value::Null, Into::into)
+    }
+}
+
+/// `vals![a, b]`: the parameters of a statement.
+macro_rules! vals {
+    ($($v:expr),* $(,)?) => { &[$($crate::sqldb::Value::from($v)),*][..] };
+}
+pub(crate) use vals;
+
+/// One result row.
+#[derive(Debug, Clone)]
+pub(crate) struct SqlRow(Vec<Value>);
+
+impl SqlRow {
+    fn col(&self, i: usize) -> Result<&Value> {
+        self.0
+            .get(i)
+            .ok_or_else(|| StoreError::Sql(format!("no column {i} in the result")))
+    }
+    pub fn int(&self, i: usize) -> Result<i64> {
+        match self.col(i)? {
+            Value::Int(v) => Ok(*v),
+            other => Err(StoreError::Sql(format!(
+                "column {i}: expected an integer, found {other:?}"
+            ))),
+        }
+    }
+    pub fn text(&self, i: usize) -> Result<String> {
+        match self.col(i)? {
+            Value::Text(v) => Ok(v.clone()),
+            other => Err(StoreError::Sql(format!(
+                "column {i}: expected text, found {other:?}"
+            ))),
+        }
+    }
+    pub fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        match self.col(i)? {
+            Value::Null => Ok(None),
+            _ => self.text(i).map(Some),
+        }
+    }
+}
+
+/// A connection (or an open transaction) of either database.
+pub(crate) trait Db {
+    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>>;
+    /// Runs one statement; the number of rows it changed.
+    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64>;
+    /// Runs several statements without parameters (DDL).
+    fn batch(&mut self, sql: &str) -> Result<()>;
+    fn dialect(&self) -> Dialect;
+
+    /// The first row, if any.
+    fn one(&mut self, sql: &str, params: &[Value]) -> Result<Option<SqlRow>> {
+        Ok(self.query(sql, params)?.into_iter().next())
+    }
+    /// The first column of the first row, which must exist (`count(*)` and the like).
+    fn int(&mut self, sql: &str, params: &[Value]) -> Result<i64> {
+        match self.one(sql, params)? {
+            Some(r) => r.int(0),
+            None => Err(StoreError::Sql(format!("no row from {sql}"))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    Sqlite,
+    Postgres,
+}
+
+impl Dialect {
+    /// The DDL of a migration as this database needs it.
+    pub fn ddl(self, sql: &str) -> String {
+        match self {
+            Dialect::Sqlite => sql.to_string(),
+            Dialect::Postgres => pg_ddl(sql),
+        }
+    }
+    /// Counts the store's tables other than `meta`.
+    pub fn tables_sql(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => {
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name != 'meta'"
+            }
+            Dialect::Postgres => {
+                "SELECT count(*) FROM information_schema.tables
+                 WHERE table_schema = current_schema() AND table_name != 'meta'"
+            }
+        }
+    }
+}
+
+/// SQLite DDL as PostgreSQL takes it. The migrations are written for SQLite (their
+/// text is what existing SQLite stores were created with); only these words differ.
+pub(crate) fn pg_ddl(sql: &str) -> String {
+    sql.replace(
+        "INTEGER PRIMARY KEY AUTOINCREMENT",
+        "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
+    )
+    .replace("INTEGER", "BIGINT")
+    .replace("TEXT", "TEXT COLLATE \"C\"")
+}
+
+/// `?N` placeholders as `$N` (outside string literals and quoted identifiers).
+pub(crate) fn pg_placeholders(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut quote: Option<char> = None;
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        match quote {
+            Some(q) => {
+                if c == q {
+                    quote = None;
+                }
+                out.push(c);
+            }
+            None if c == '\'' || c == '"' => {
+                quote = Some(c);
+                out.push(c);
+            }
+            None if c == '?' && chars.peek().is_some_and(|d| d.is_ascii_digit()) => out.push('$'),
+            None => out.push(c),
+        }
+    }
+    out
+}
+
+// --- SQLite -------------------------------------------------------------------------
+
+pub(crate) struct SqliteDb<'a>(pub &'a rusqlite::Connection);
+
+impl rusqlite::ToSql for Value {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        use rusqlite::types::{ToSqlOutput, ValueRef};
+        Ok(match self {
+            Value::Null => ToSqlOutput::Borrowed(ValueRef::Null),
+            Value::Int(v) => ToSqlOutput::Borrowed(ValueRef::Integer(*v)),
+            Value::Text(s) => ToSqlOutput::Borrowed(ValueRef::Text(s.as_bytes())),
+        })
+    }
+}
+
+impl Db for SqliteDb<'_> {
+    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
+        let mut st = self.0.prepare_cached(sql)?;
+        let n = st.column_count();
+        let mut rows = st.query(rusqlite::params_from_iter(params))?;
+        let mut out = Vec::new();
+        while let Some(r) = rows.next()? {
+            let mut row = Vec::with_capacity(n);
+            for i in 0..n {
+                use rusqlite::types::ValueRef;
+                row.push(match r.get_ref(i)? {
+                    ValueRef::Null => Value::Null,
+                    ValueRef::Integer(v) => Value::Int(v),
+                    ValueRef::Text(t) => Value::Text(String::from_utf8_lossy(t).into_owned()),
+                    other => {
+                        return Err(StoreError::Sql(format!(
+                            "column {i}: unexpected {:?} value",
+                            other.data_type()
+                        )))
+                    }
+                });
+            }
+            out.push(SqlRow(row));
+        }
+        Ok(out)
+    }
+    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
+        let mut st = self.0.prepare_cached(sql)?;
+        Ok(st.execute(rusqlite::params_from_iter(params))? as u64)
+    }
+    fn batch(&mut self, sql: &str) -> Result<()> {
+        Ok(self.0.execute_batch(sql)?)
+    }
+    fn dialect(&self) -> Dialect {
+        Dialect::Sqlite
+    }
+}
+
+// --- PostgreSQL -----------------------------------------------------------------------
+
+impl postgres::types::ToSql for Value {
+    fn to_sql(
+        &self,
+        ty: &postgres::types::Type,
+        out: &mut bytes::BytesMut,
+    ) -> std::result::Result<postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>>
+    {
+        use postgres::types::{IsNull, Type};
+        match self {
+            Value::Null => Ok(IsNull::Yes),
+            Value::Int(v) => match *ty {
+                Type::INT8 => v.to_sql(ty, out),
+                Type::INT4 => i32::try_from(*v)?.to_sql(ty, out),
+                Type::INT2 => i16::try_from(*v)?.to_sql(ty, out),
+                Type::BOOL => (*v != 0).to_sql(ty, out),
+                _ => v.to_string().as_str().to_sql(ty, out),
+            },
+            Value::Text(s) => s.as_str().to_sql(ty, out),
+        }
+    }
+    fn accepts(_: &postgres::types::Type) -> bool {
+        true
+    }
+    postgres::types::to_sql_checked!();
+}
+
+fn pg_row(r: &postgres::Row) -> std::result::Result<SqlRow, String> {
+    use postgres::types::Type;
+    let mut row = Vec::with_capacity(r.len());
+    for (i, c) in r.columns().iter().enumerate() {
+        let v = match *c.type_() {
+            Type::INT8 => r.try_get::<_, Option<i64>>(i).map(|v| v.map(Value::Int)),
+            Type::INT4 => r
+                .try_get::<_, Option<i32>>(i)
+                .map(|v| v.map(|v| Value::Int(v.into()))),
+            Type::INT2 => r
+                .try_get::<_, Option<i16>>(i)
+                .map(|v| v.map(|v| Value::Int(v.into()))),
+            Type::BOOL => r
+                .try_get::<_, Option<bool>>(i)
+                .map(|v| v.map(|v| Value::Int(v as i64))),
+            _ => r
+                .try_get::<_, Option<String>>(i)
+                .map(|v| v.map(Value::Text)),
+        }
+        .map_err(|e| format!("column {:?}: {e}", c.name()))?;
+        row.push(v.unwrap_or(Value::Null));
+    }
+    Ok(SqlRow(row))
+}
+
+enum Req {
+    Query(String, Vec<Value>),
+    Execute(String, Vec<Value>),
+    Batch(String),
+}
+
+enum Answer {
+    Rows(Vec<SqlRow>),
+    Count(u64),
+    Done,
+}
+
+/// Why a PostgreSQL call failed, as the worker thread reports it.
+#[derive(Debug)]
+pub(crate) struct PgFailure {
+    pub code: Option<String>,
+    pub message: String,
+}
+
+type Reply = std::result::Result<Answer, PgFailure>;
+
+/// A PostgreSQL connection owned by its own thread (see the module docs).
+pub(crate) struct PgConn {
+    tx: mpsc::Sender<(Req, mpsc::SyncSender<Reply>)>,
+    /// The URL with its password masked, for messages.
+    redacted: String,
+    /// The password (if any), so that no message can carry it.
+    secret: Option<String>,
+}
+
+impl PgConn {
+    /// Connects (on the new thread) and sets `lock_timeout` to `lock_wait`.
+    pub fn connect(url: &str, lock_wait: Duration) -> Result<PgConn> {
+        let redacted = redact_url(url);
+        let secret = password_of(url);
+        let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+            StoreError::Sql(scrub(
+                &format!("the store URL {redacted} is not a valid PostgreSQL URL: {e}"),
+                secret.as_deref(),
+            ))
+        })?;
+        let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("lbscale-postgres".into())
+            .spawn(move || worker(config, lock_wait, rx, ready_tx))
+            .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
+        let conn = PgConn {
+            tx,
+            redacted,
+            secret,
+        };
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(conn),
+            Ok(Err(f)) => Err(StoreError::Open {
+                store: conn.redacted.clone(),
+                detail: scrub(&f.message, conn.secret.as_deref()),
+            }),
+            Err(_) => Err(StoreError::Open {
+                store: conn.redacted.clone(),
+                detail: "the PostgreSQL thread ended".into(),
+            }),
+        }
+    }
+
+    pub fn redacted(&self) -> &str {
+        &self.redacted
+    }
+
+    fn call(&mut self, req: Req) -> Result<Answer> {
+        let (reply_tx, reply_rx) = mpsc::sync_channel(1);
+        let gone = || StoreError::Sql("the PostgreSQL connection thread is gone".into());
+        self.tx.send((req, reply_tx)).map_err(|_| gone())?;
+        match reply_rx.recv().map_err(|_| gone())? {
+            Ok(a) => Ok(a),
+            Err(f) => {
+                let message = scrub(&f.message, self.secret.as_deref());
+                Err(match f.code.as_deref() {
+                    // lock_not_available: lock_timeout passed while waiting.
+                    Some("55P03") => StoreError::Locked(message),
+                    _ => StoreError::Sql(message),
+                })
+            }
+        }
+    }
+}
+
+impl Db for PgConn {
+    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
+        match self.call(Req::Query(pg_placeholders(sql), params.to_vec()))? {
+            Answer::Rows(r) => Ok(r),
+            _ => unreachable!("a query answers rows"),
+        }
+    }
+    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
+        match self.call(Req::Execute(pg_placeholders(sql), params.to_vec()))? {
+            Answer::Count(n) => Ok(n),
+            _ => unreachable!("an execute answers a count"),
+        }
+    }
+    fn batch(&mut self, sql: &str) -> Result<()> {
+        self.call(Req::Batch(sql.to_string())).map(|_| ())
+    }
+    fn dialect(&self) -> Dialect {
+        Dialect::Postgres
+    }
+}
+
+fn failure(e: postgres::Error) -> PgFailure {
+    let code = e.code().map(|c| c.code().to_string());
+    // `Display` of a server error is only "db error"; the detail is in the source.
+    let message = match e.as_db_error() {
+        Some(db) => format!("{}: {}", db.severity(), db.message()),
+        None => {
+            let mut m = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                m = format!("{m}: {s}");
+                src = s.source();
+            }
+            m
+        }
+    };
+    PgFailure { code, message }
+}
+
+fn params(p: &[Value]) -> Vec<&(dyn postgres::types::ToSql + Sync)> {
+    p.iter()
+        .map(|v| v as &(dyn postgres::types::ToSql + Sync))
+        .collect()
+}
+
+fn worker(
+    config: postgres::Config,
+    lock_wait: Duration,
+    rx: mpsc::Receiver<(Req, mpsc::SyncSender<Reply>)>,
+    ready: mpsc::SyncSender<std::result::Result<(), PgFailure>>,
+) {
+    let connect = |config: &postgres::Config| -> std::result::Result<postgres::Client, PgFailure> {
+        let mut c = config.connect(postgres::NoTls).map_err(failure)?;
+        c.batch_execute(&format!("SET lock_timeout = '{}ms'", lock_wait.as_millis()))
+            .map_err(failure)?;
+        Ok(c)
+    };
+    let mut client = match connect(&config) {
+        Ok(c) => {
+            let _ = ready.send(Ok(()));
+            c
+        }
+        Err(f) => {
+            let _ = ready.send(Err(f));
+            return;
+        }
+    };
+    let mut statements: HashMap<String, postgres::Statement> = HashMap::new();
+    let mut in_tx = false;
+    while let Ok((req, reply)) = rx.recv() {
+        // A server restart closes the connection: outside a transaction, open a
+        // new one rather than failing every call from now on.
+        if client.is_closed() && !in_tx {
+            match connect(&config) {
+                Ok(c) => {
+                    client = c;
+                    statements.clear();
+                }
+                Err(f) => {
+                    let _ = reply.send(Err(f));
+                    continue;
+                }
+            }
+        }
+        let mut prepared = |client: &mut postgres::Client, sql: &str| {
+            if let Some(st) = statements.get(sql) {
+                return Ok(st.clone());
+            }
+            let st = client.prepare(sql).map_err(failure)?;
+            statements.insert(sql.to_string(), st.clone());
+            Ok(st)
+        };
+        let answer: Reply = match &req {
+            Req::Query(sql, p) => prepared(&mut client, sql).and_then(|st| {
+                let rows = client.query(&st, &params(p)).map_err(failure)?;
+                rows.iter()
+                    .map(pg_row)
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map(Answer::Rows)
+                    .map_err(|message| PgFailure {
+                        code: None,
+                        message,
+                    })
+            }),
+            Req::Execute(sql, p) => prepared(&mut client, sql).and_then(|st| {
+                client
+                    .execute(&st, &params(p))
+                    .map(Answer::Count)
+                    .map_err(failure)
+            }),
+            Req::Batch(sql) => {
+                let t = sql.trim_start().to_ascii_uppercase();
+                if t.starts_with("BEGIN") {
+                    in_tx = true;
+                } else if t.starts_with("COMMIT") || t.starts_with("ROLLBACK") {
+                    in_tx = false;
+                }
+                // DDL may change what a prepared statement refers to.
+                if !t.starts_with("BEGIN") && !t.starts_with("COMMIT") && !t.starts_with("ROLLBACK")
+                {
+                    statements.clear();
+                }
+                client
+                    .batch_execute(sql)
+                    .map(|_| Answer::Done)
+                    .map_err(failure)
+            }
+        };
+        let _ = reply.send(answer);
+    }
+}
+
+/// The URL with its password (in the user info or a `password=` parameter)
+/// replaced by `***`.
+pub(crate) fn redact_url(url: &str) -> String {
+    let mut out = url.to_string();
+    if let Some(p) = password_of(url) {
+        out = out.replace(&format!(":{p}@"), ":***@");
+    }
+    if let Some(q) = out.find('?') {
+        let (head, query) = out.split_at(q + 1);
+        let query: Vec<String> = query
+            .split('&')
+            .map(|kv| {
+                if kv.to_ascii_lowercase().starts_with("password=") {
+                    "password=***".to_string()
+                } else {
+                    kv.to_string()
+                }
+            })
+            .collect();
+        out = format!("{head}{}", query.join("&"));
+    }
+    out
+}
+
+/// The password in `scheme://user:password@host...`, as written.
+fn password_of(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let authority = rest.split(['/', '?']).next()?;
+    let userinfo = authority.rsplit_once('@')?.0;
+    let pw = userinfo.split_once(':')?.1;
+    (!pw.is_empty()).then(|| pw.to_string())
+}
+
+/// Removes the password from a message, should a driver ever echo it.
+fn scrub(message: &str, secret: Option<&str>) -> String {
+    match secret {
+        Some(s) if !s.is_empty() => message.replace(s, "***"),
+        _ => message.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_become_dollars_outside_literals() {
+        assert_eq!(
+            pg_placeholders("SELECT '?1', x FROM t WHERE a = ?1 AND b = ?12 AND c = '?'"),
+            "SELECT '?1', x FROM t WHERE a = $1 AND b = $12 AND c = '?'"
+        );
+    }
+
+    #[test]
+    fn ddl_uses_bigint_identity_and_byte_order() {
+        let d = pg_ddl(
+            "CREATE TABLE e (id INTEGER PRIMARY KEY AUTOINCREMENT, n INTEGER NOT NULL, s TEXT)",
+        );
+        assert_eq!(
+            d,
+            "CREATE TABLE e (id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, n BIGINT NOT NULL, s TEXT COLLATE \"C\")"
+        );
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://u:s3cr%40t@db.example:5432/lb?sslmode=disable"),
+            "postgres://u:***@db.example:5432/lb?sslmode=disable"
+        );
+        assert_eq!(
+            redact_url("postgresql://u@h/db?password=hunter2&x=1"),
+            "postgresql://u@h/db?password=***&x=1"
+        );
+        assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
+        assert_eq!(scrub("bad hunter2 here", Some("hunter2")), "bad *** here");
+    }
+}
