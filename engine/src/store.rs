@@ -474,13 +474,6 @@ impl Store {
         }
     }
 
-    /// Runs SQL on the store as it is, without the store's checks: for tests
-    /// that simulate an old, a newer or a damaged store.
-    #[doc(hidden)]
-    pub fn raw_batch_for_tests(&self, sql: &str) -> Result<()> {
-        self.with(|c| c.batch(sql))
-    }
-
     // --- declared objects -------------------------------------------------------
 
     fn insert_named(
