@@ -320,6 +320,8 @@ pub(crate) struct PgFailure {
 
 type Reply = std::result::Result<Answer, PgFailure>;
 
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A PostgreSQL connection owned by its own thread (see the module docs).
 pub(crate) struct PgConn {
     tx: mpsc::Sender<(Req, mpsc::SyncSender<Reply>)>,
@@ -334,12 +336,17 @@ impl PgConn {
     pub fn connect(url: &str, lock_wait: Duration) -> Result<PgConn> {
         let redacted = redact_url(url);
         let secret = password_of(url);
-        let config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
+        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
             StoreError::Sql(scrub(
                 &format!("the store URL {redacted} is not a valid PostgreSQL URL: {e}"),
                 secret.as_deref(),
             ))
         })?;
+        // An unreachable server fails the call instead of hanging for the
+        // system's TCP timeout (the URL's `connect_timeout` wins).
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
         let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         std::thread::Builder::new()
