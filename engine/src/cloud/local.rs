@@ -159,6 +159,12 @@ pub struct LocalCloud {
     settings: LocalSettings,
     store: Arc<Store>,
     root: PathBuf,
+    /// One publication at a time in this process: each bumps the distributor's
+    /// config version (read-modify-write of its runtime row) and waits for that
+    /// version's acknowledgement. Two at once (Terraform applies two vservers of
+    /// different groups in parallel) could write the same version with different
+    /// contents.
+    publishing: tokio::sync::Mutex<()>,
 }
 
 impl LocalCloud {
@@ -168,6 +174,7 @@ impl LocalCloud {
             settings,
             store,
             root,
+            publishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -358,6 +365,7 @@ impl Distributor for LocalCloud {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()> {
+        let _one_at_a_time = self.publishing.lock().await;
         self.ensure(id, spec).await?;
         let mut rt = self.runtime(id);
         rt.version += 1;
@@ -631,8 +639,13 @@ fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
     f.write_all(data)
 }
 
+/// Writes `path` whole or not at all (a temporary file renamed over it). The
+/// temporary name is unique to this process and call, so that two writers (the
+/// provider and the daemon) never rename each other's file away.
 fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp.{}.{n}", std::process::id()));
     std::fs::write(&tmp, data)?;
     std::fs::rename(&tmp, path)
 }
