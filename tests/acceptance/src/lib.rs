@@ -423,12 +423,15 @@ pub fn tcp_backend(name: &str) -> u16 {
     port
 }
 
+/// An HTTP response: status, headers (names in lower case), body.
+pub type HttpResponse = (u16, Vec<(String, String)>, String);
+
 /// One HTTP/1.1 GET to `ip:port` with `Host: host`; returns (status, headers, body).
 pub fn http_get(
     ip: &str,
     port: u16,
     host: &str,
-) -> Result<(u16, Vec<(String, String)>, String), String> {
+) -> Result<HttpResponse, String> {
     use std::io::{Read, Write};
     let addr: SocketAddr = format!("{ip}:{port}").parse().map_err(|e| format!("{e}"))?;
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))

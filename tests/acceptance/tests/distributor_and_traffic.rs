@@ -391,7 +391,7 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
     );
     let (_, _, served_by) = spread(&vip, 34);
     assert!(
-        !served_by.iter().any(|x| *x == added),
+        !served_by.contains(&added),
         "a node that left still served: {served_by:?}"
     );
     let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
