@@ -427,11 +427,7 @@ pub fn tcp_backend(name: &str) -> u16 {
 pub type HttpResponse = (u16, Vec<(String, String)>, String);
 
 /// One HTTP/1.1 GET to `ip:port` with `Host: host`; returns (status, headers, body).
-pub fn http_get(
-    ip: &str,
-    port: u16,
-    host: &str,
-) -> Result<HttpResponse, String> {
+pub fn http_get(ip: &str, port: u16, host: &str) -> Result<HttpResponse, String> {
     use std::io::{Read, Write};
     let addr: SocketAddr = format!("{ip}:{port}").parse().map_err(|e| format!("{e}"))?;
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))
