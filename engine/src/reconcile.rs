@@ -111,6 +111,11 @@ pub struct Engine {
     pub store: Arc<Store>,
     local: LocalCloud,
     holder: String,
+    /// One operation per group at a time within this process. The store's lease
+    /// excludes other processes, but it is held in this process's name, so two
+    /// operations of one process (Terraform creating two vservers of a group in
+    /// parallel) would both pass it and push configurations over each other.
+    group_locks: std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// How long a workflow's lease lasts without renewal: a crashed holder's group
@@ -127,6 +132,9 @@ pub struct KeptLease {
     store: Arc<Store>,
     lost: Arc<AtomicBool>,
     renewer: tokio::task::JoinHandle<()>,
+    /// This process's turn on the group (see `Engine::group_locks`), released
+    /// with the lease.
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 impl KeptLease {
@@ -160,6 +168,7 @@ impl KeptLease {
             store,
             lost,
             renewer,
+            _turn: None,
         }
     }
 
@@ -221,6 +230,7 @@ impl Engine {
             local: LocalCloud::new(local, store.clone()),
             store,
             holder,
+            group_locks: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -508,9 +518,32 @@ impl Engine {
     /// The lease is short ([`WORKFLOW_LEASE_TTL`]) and renewed while the work runs.
     async fn lease(&self, group_id: &str, deadline: Instant) -> Result<KeptLease> {
         let ttl = WORKFLOW_LEASE_TTL;
+        let turn = {
+            let lock = self
+                .group_locks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(group_id.to_string())
+                .or_default()
+                .clone();
+            tokio::time::timeout_at(deadline.into(), lock.lock_owned())
+                .await
+                .map_err(|_| EngineError::Timeout {
+                    step: "take the group's lease",
+                    after_s: 0,
+                    detail: format!(
+                        "another operation of this process still works on group {group_id}"
+                    ),
+                })?
+        };
+        let mut turn = Some(turn);
         loop {
             match self.store.acquire_lease(group_id, &self.holder, ttl) {
-                Ok(l) => return Ok(KeptLease::keep(self.store.clone(), l, ttl)),
+                Ok(l) => {
+                    let mut kept = KeptLease::keep(self.store.clone(), l, ttl);
+                    kept._turn = turn.take();
+                    return Ok(kept);
+                }
                 Err(StoreError::LeaseHeld { holder, .. }) if Instant::now() < deadline => {
                     tracing::info!(group_id, holder, "waiting for the group's lease");
                     tokio::time::sleep(Duration::from_millis(500)).await;
