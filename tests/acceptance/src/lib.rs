@@ -693,3 +693,57 @@ pub fn daemon_get(port: u16, path: &str) -> Result<(u16, String), String> {
         .ok_or("bad status line")?;
     Ok((code, body.to_string()))
 }
+
+/// The daemon tests' stack: one AZ, min 1, scaled on throughput per node (out
+/// above 8 Mbps, which the load generator moves; in below 1 Mbps, idle), with
+/// intervals of seconds.
+pub fn daemon_stack(name: &str, backend: u16, max_nodes: u32, cooldown: &str) -> String {
+    format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name   = "{name}-dns"
+  cloud  = "local"
+  mode   = "dns"
+  domain = "{name}.lbscale.test"
+  ttl    = "1s"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "{name}"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = {max_nodes}
+  stats_interval         = "1s"
+  watch_time             = "2s"
+  cooldown               = "{cooldown}"
+  drain_timeout          = "2s"
+  threshold {{
+    metric = "throughput"
+    min    = 1
+    max    = 8
+  }}
+}}
+
+resource "lbscale_se_group" "s" {{
+  name               = "{name}-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}}
+
+resource "lbscale_vserver" "web" {{
+  name         = "{name}-web"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  service {{
+    name    = "big"
+    address = "127.0.0.1"
+    port    = {backend}
+  }}
+}}
+
+output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
+"#
+    )
+}

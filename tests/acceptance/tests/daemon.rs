@@ -21,54 +21,7 @@ const SIGTERM: i32 = 15;
 /// Scale out above 8 Mbps per node, scale in below 1 Mbps. The load generator
 /// below moves tens of Mbps; an idle node moves nothing.
 fn config(name: &str, max_nodes: u32, backend: u16) -> String {
-    format!(
-        r#"
-resource "lbscale_traffic_distributor" "d" {{
-  name   = "{name}-dns"
-  cloud  = "local"
-  mode   = "dns"
-  domain = "{name}.lbscale.test"
-  ttl    = "1s"
-}}
-
-resource "lbscale_autoscale_group" "g" {{
-  name                   = "{name}"
-  cloud                  = "local"
-  availability_zones     = ["az1"]
-  traffic_distributor_id = lbscale_traffic_distributor.d.id
-  min_nodes              = 1
-  max_nodes              = {max_nodes}
-  stats_interval         = "1s"
-  watch_time             = "2s"
-  cooldown               = "3s"
-  drain_timeout          = "2s"
-  threshold {{
-    metric = "throughput"
-    min    = 1
-    max    = 8
-  }}
-}}
-
-resource "lbscale_se_group" "s" {{
-  name               = "{name}-se"
-  autoscale_group_id = lbscale_autoscale_group.g.id
-}}
-
-resource "lbscale_vserver" "web" {{
-  name         = "{name}-web"
-  se_group_id  = lbscale_se_group.s.id
-  service_type = "HTTP"
-  port         = 8080
-  service {{
-    name    = "big"
-    address = "127.0.0.1"
-    port    = {backend}
-  }}
-}}
-
-output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
-"#
-    )
+    daemon_stack(name, backend, max_nodes, "3s")
 }
 
 /// A running `lbscale daemon`; killed when dropped.
