@@ -5,7 +5,11 @@
 #                               private cluster on 127.0.0.1 and a free port, and
 #                               prints its URL (user lbscale, a random password)
 #   scripts/postgres.sh url     prints the URL of the running cluster
-#   scripts/postgres.sh stop    stops the cluster and removes its files
+#   scripts/postgres.sh watch   runs until the server exits, then says when (run
+#                               it in the background beside a test suite: a dead
+#                               server is otherwise only "error connecting to server")
+#   scripts/postgres.sh stop    stops the cluster and removes its files; if the
+#                               server had died, prints the end of its log
 #
 # The cluster lives in $LBSCALE_PG_DIR (default /tmp/lbscale-pg-$UID). As root, the
 # server runs as the `postgres` user (PostgreSQL refuses to run as root).
@@ -23,13 +27,19 @@ as_server_user() {
     fi
 }
 
+# The newest installed server's bin directory (initdb and pg_ctl; the client
+# package alone has the directory without them).
 bindir() {
     local d
-    d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 || true)
-    if [ -z "$d" ] && command -v pg_ctl >/dev/null; then
-        d=$(dirname "$(command -v pg_ctl)")
+    for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -rV); do
+        if [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ]; then
+            echo "$d"
+            return 0
+        fi
+    done
+    if command -v initdb >/dev/null && command -v pg_ctl >/dev/null; then
+        dirname "$(command -v pg_ctl)"
     fi
-    echo "$d"
 }
 
 install() {
@@ -93,11 +103,47 @@ start() {
     cat "$dir/url"
 }
 
+server_pid() {
+    head -1 "$dir/data/postmaster.pid" 2>/dev/null || true
+}
+
+# What is known about a server that is gone: the end of its log, and the
+# kernel's last lines if they can be read (an OOM kill is only seen there).
+report_death() {
+    log "the PostgreSQL server (pid $1) is gone at $(date -u +%T); the end of its log:"
+    tail -n 30 "$dir/server.log" 2>/dev/null | sed 's/^/    /' >&2 || true
+    if dmesg >/dev/null 2>&1; then
+        log "the kernel's last lines:"
+        dmesg 2>/dev/null | tail -n 10 | sed 's/^/    /' >&2 || true
+    fi
+}
+
+watch() {
+    local pid
+    pid=$(server_pid)
+    [ -n "$pid" ] || { log "no server is running in $dir"; exit 1; }
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 2
+    done
+    # A deliberate stop is not reported; `stop` prints the log of a server
+    # that died.
+    if [ -d "$dir" ] && [ ! -f "$dir/stopping" ]; then
+        log "the PostgreSQL server (pid $pid) exited at $(date -u +%T), before the tests ended"
+    fi
+    return 0
+}
+
 stop() {
-    local bin
+    local bin pid
+    touch "$dir/stopping" 2>/dev/null || true
     bin=$(bindir)
-    if [ -n "$bin" ] && [ -f "$dir/data/postmaster.pid" ]; then
-        as_server_user "$bin/pg_ctl" -D "$dir/data" -m immediate -w -t 30 stop >/dev/null || true
+    pid=$(server_pid)
+    if [ -n "$bin" ] && [ -n "$pid" ]; then
+        if kill -0 "$pid" 2>/dev/null; then
+            as_server_user "$bin/pg_ctl" -D "$dir/data" -m immediate -w -t 30 stop >/dev/null || true
+        else
+            report_death "$pid"
+        fi
     fi
     rm -rf "$dir"
 }
@@ -105,9 +151,10 @@ stop() {
 case "$cmd" in
 start) start ;;
 stop) stop ;;
+watch) watch ;;
 url) cat "$dir/url" ;;
 *)
-    echo "usage: $0 start|stop|url" >&2
+    echo "usage: $0 start|stop|url|watch" >&2
     exit 2
     ;;
 esac

@@ -12,8 +12,12 @@ export LBSCALE_TERRAFORM="$root/.tools/bin/terraform"
 # Two cores: run test binaries with two threads each; the acceptance tests
 # pace themselves (each uses its own loopback prefix and store).
 if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
-    trap '"$root/scripts/postgres.sh" stop' EXIT
+    watcher=
+    trap '[ -n "$watcher" ] && kill "$watcher" 2>/dev/null; "$root/scripts/postgres.sh" stop' EXIT
     LBSCALE_TEST_POSTGRES_URL=$("$root/scripts/postgres.sh" start)
     export LBSCALE_TEST_POSTGRES_URL
+    "$root/scripts/postgres.sh" watch &
+    watcher=$!
 fi
-cargo test --workspace -- --test-threads=2 "$@"
+# --no-fail-fast: one run reports every failing test binary, not only the first.
+cargo test --workspace --no-fail-fast -- --test-threads=2 "$@"
