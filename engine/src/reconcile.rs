@@ -16,7 +16,9 @@ use crate::model::{
 };
 use crate::nodeapi::NodeClient;
 use crate::placement;
-use crate::store::{now_ms, Lease, NodeRow, NodeState, Row, Store, StoreError};
+use crate::store::{
+    distributor_lease_key, now_ms, Lease, NodeRow, NodeState, Row, Store, StoreError,
+};
 use lbscale_core::duration::parse_duration;
 use lbscale_core::seplan::ScalingMode;
 use std::collections::BTreeMap;
@@ -122,6 +124,10 @@ pub struct Engine {
 /// is free again this long after it died. A running workflow renews it every
 /// third of this (see [`KeptLease`]), however long the workflow takes.
 pub const WORKFLOW_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// How long a publication waits for another process's publication to the same
+/// distributor (each takes at most the driver's own publish timeout).
+const PUBLISH_LEASE_WAIT: Duration = Duration::from_secs(60);
 
 /// A lease kept alive by a background task (renewed every third of its TTL) while
 /// the work it covers runs. A renewal that finds the lease taken over marks it
@@ -361,7 +367,26 @@ impl Engine {
 
     /// Makes the distributor hand out what the store says now; a distributor
     /// that is gone (destroyed for a replacement) has nothing left to update.
+    ///
+    /// One publication at a time per distributor, across processes (the
+    /// distributor's lease): the daemon and a Terraform apply, or two groups of
+    /// one apply, may change what a distributor hands out at the same moment.
+    /// Each reads the store and bumps the distributor's configuration version;
+    /// interleaved, the later write could carry the earlier view under the same
+    /// version and a registration would be lost until the next publication.
     async fn publish(&self, distributor_id: &str) -> Result<()> {
+        let turn = self
+            .lease(
+                &distributor_lease_key(distributor_id),
+                Instant::now() + PUBLISH_LEASE_WAIT,
+            )
+            .await?;
+        let r = self.publish_holding_lease(distributor_id).await;
+        turn.release();
+        r
+    }
+
+    async fn publish_holding_lease(&self, distributor_id: &str) -> Result<()> {
         let Some(row) = self.store.distributor(distributor_id)? else {
             return Ok(());
         };
@@ -513,46 +538,46 @@ impl Engine {
         })
     }
 
-    /// Takes the group's lease, waiting for another holder (the daemon) to let go
-    /// until `deadline`.
+    /// Takes the lease `key` (a group's id, or [`distributor_lease_key`]), waiting
+    /// for another holder (the daemon, another apply) to let go until `deadline`.
+    /// Within this process, one operation at a time holds it (the store's lease is
+    /// held in the process's name, so it alone would let two of them in).
     /// The lease is short ([`WORKFLOW_LEASE_TTL`]) and renewed while the work runs.
-    async fn lease(&self, group_id: &str, deadline: Instant) -> Result<KeptLease> {
+    async fn lease(&self, key: &str, deadline: Instant) -> Result<KeptLease> {
         let ttl = WORKFLOW_LEASE_TTL;
         let turn = {
             let lock = self
                 .group_locks
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .entry(group_id.to_string())
+                .entry(key.to_string())
                 .or_default()
                 .clone();
             tokio::time::timeout_at(deadline.into(), lock.lock_owned())
                 .await
                 .map_err(|_| EngineError::Timeout {
-                    step: "take the group's lease",
+                    step: "take the lease",
                     after_s: 0,
-                    detail: format!(
-                        "another operation of this process still works on group {group_id}"
-                    ),
+                    detail: format!("another operation of this process still holds {key}"),
                 })?
         };
         let mut turn = Some(turn);
         loop {
-            match self.store.acquire_lease(group_id, &self.holder, ttl) {
+            match self.store.acquire_lease(key, &self.holder, ttl) {
                 Ok(l) => {
                     let mut kept = KeptLease::keep(self.store.clone(), l, ttl);
                     kept._turn = turn.take();
                     return Ok(kept);
                 }
                 Err(StoreError::LeaseHeld { holder, .. }) if Instant::now() < deadline => {
-                    tracing::info!(group_id, holder, "waiting for the group's lease");
+                    tracing::info!(key, holder, "waiting for the lease");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(StoreError::LeaseHeld { holder, .. }) => {
                     return Err(EngineError::Timeout {
-                        step: "take the group's lease",
+                        step: "take the lease",
                         after_s: 0,
-                        detail: format!("{holder} still holds group {group_id}"),
+                        detail: format!("{holder} still holds {key}"),
                     })
                 }
                 Err(e) => return Err(e.into()),

