@@ -27,6 +27,8 @@ commands:
   status --state URL     every group with its nodes per AZ
   events --state URL [--group NAME] [--limit N]
                          recorded decisions and workflow steps
+                         (--state may be left out when LBSCALE_STATE holds the URL:
+                         a PostgreSQL password then stays off the command line)
   load --url http://HOST[:PORT]/PATH [--dns IP:PORT | --resolve HOST:PORT:IP]...
        [--rate N] [--connections N] [--duration 60s] [--report 2s] [--csv FILE]
                          drive HTTP traffic, printing req/s and Mbps as it goes

@@ -320,3 +320,58 @@ fn se_plan_errors() {
         "error: --nodes: must be followed by a value, got nothing"
     );
 }
+
+fn lbscale_with_state_env(args: &[&str], state_env: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lbscale"));
+    cmd.args(args).env_remove("LBSCALE_STATE");
+    if let Some(v) = state_env {
+        cmd.env("LBSCALE_STATE", v);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn the_store_url_comes_from_state_or_the_environment() {
+    let dir = std::env::temp_dir().join(format!("lbscale-cli-env-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sqlite = format!("sqlite://{}", dir.join("state.db").display());
+
+    let err = error_line(&lbscale_with_state_env(&["status"], None));
+    assert!(
+        err.starts_with("error: --state: must be given") && err.contains("LBSCALE_STATE"),
+        "{err}"
+    );
+
+    // A bad URL from the environment is refused by name, and not echoed: it
+    // may carry a password.
+    let err = error_line(&lbscale_with_state_env(
+        &["events"],
+        Some("mysql://lb:hunter2@db.example/lb"),
+    ));
+    assert!(
+        err.starts_with("error: LBSCALE_STATE: must be sqlite://"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "{err}");
+
+    let out = lbscale_with_state_env(&["status"], Some(&sqlite));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("GROUP"));
+    assert!(
+        dir.join("state.db").is_file(),
+        "the store is not the one in LBSCALE_STATE"
+    );
+
+    // --state wins over the environment.
+    let out = lbscale_with_state_env(&["status", "--state", &sqlite], Some("bogus"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -217,6 +217,18 @@ pub struct Event {
     pub reason: String,
 }
 
+/// The environment variable that gives the store's URL where the provider's
+/// `state` or the CLI's `--state` is not given: it keeps a PostgreSQL password
+/// out of `.tf` files and off the daemon's command line (which `ps` shows).
+pub const STATE_URL_ENV: &str = "LBSCALE_STATE";
+
+/// The store URL from [`STATE_URL_ENV`], when it is set and not blank.
+pub fn state_url_from_env() -> Option<String> {
+    std::env::var(STATE_URL_ENV)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+}
+
 /// The lease by which a daemon claims a group for its evaluations (kept in the
 /// `leases` table next to the group's own lease, which workflows take).
 pub fn daemon_claim_key(group_id: &str) -> String {

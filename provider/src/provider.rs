@@ -7,6 +7,7 @@ use crate::resources::{
 };
 use async_trait::async_trait;
 use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
+use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 use lbscale_engine::Engine;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -124,10 +125,10 @@ impl Provider for LbscaleProvider {
                 "lbscale: threshold-driven autoscaling of load-balancer fleets.",
                 vec![(
                     "state",
-                    optional(
+                    sensitive(optional(
                         AttributeType::String,
-                        "The store shared with the daemon: `sqlite://PATH` (relative to Terraform's working directory) or `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` (several daemons on several machines). Default `sqlite://.lbscale/state.db`.",
-                    ),
+                        "The store shared with the daemon: `sqlite://PATH` (relative to Terraform's working directory) or `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE` (several daemons on several machines). Default: the environment's `LBSCALE_STATE`, else `sqlite://.lbscale/state.db`.",
+                    )),
                 )],
                 vec![
                     (
@@ -172,9 +173,11 @@ impl Provider for LbscaleProvider {
             );
             return None;
         }
-        let url = known(&config.state)
-            .cloned()
-            .unwrap_or_else(|| DEFAULT_STATE.to_string());
+        let (url, from) = match (known(&config.state), state_url_from_env()) {
+            (Some(url), _) => (url.clone(), "the `state` argument".to_string()),
+            (None, Some(url)) => (url, format!("the environment's {STATE_URL_ENV}")),
+            (None, None) => (DEFAULT_STATE.to_string(), "the default".to_string()),
+        };
         let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
         match Engine::open(&url, &cwd, local) {
             Ok(e) => {
@@ -186,7 +189,7 @@ impl Provider for LbscaleProvider {
                     diags,
                     AttributePath::new("state"),
                     "Cannot open the lbscale store",
-                    e.to_string(),
+                    format!("{e} (URL from {from})"),
                 );
                 None
             }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use lbscale_daemon::DaemonConfig;
 use lbscale_engine::cloud::local::check_address_prefix;
+use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 
 use crate::output::CliError;
 
@@ -44,15 +45,44 @@ pub fn flag_pairs(args: &[String], known: &str) -> Result<Vec<(String, String)>,
 }
 
 pub fn check_state_url(url: &str) -> Result<(), CliError> {
+    check_state_url_from("--state", url)
+}
+
+/// `from` names where the URL came from; a value from the environment is not
+/// echoed (it may hold a password).
+fn check_state_url_from(from: &str, url: &str) -> Result<(), CliError> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         return Ok(());
     }
     match url.strip_prefix("sqlite://") {
         Some(rest) if !rest.is_empty() => Ok(()),
-        _ => Err(CliError::Usage(format!(
-            "--state: must be sqlite://PATH (relative to the current directory) or postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE, got {url:?}"
-        ))),
+        _ => {
+            let got = if from == "--state" {
+                format!("{url:?}")
+            } else {
+                let scheme = url.split_once("://").map_or("no scheme", |(s, _)| s);
+                format!("a value with {scheme:?} (not shown)")
+            };
+            Err(CliError::Usage(format!(
+                "{from}: must be sqlite://PATH (relative to the current directory) or postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE, got {got}"
+            )))
+        }
     }
+}
+
+/// The store's URL: `--state` if given (already checked), else the environment's
+/// `LBSCALE_STATE`.
+pub fn state_url(given: Option<String>) -> Result<String, CliError> {
+    if let Some(url) = given {
+        return Ok(url);
+    }
+    let url = state_url_from_env().ok_or_else(|| {
+        CliError::Usage(format!(
+            "--state: must be given (sqlite://PATH or postgres://...), or {STATE_URL_ENV} set, got neither"
+        ))
+    })?;
+    check_state_url_from(STATE_URL_ENV, &url)?;
+    Ok(url)
 }
 
 fn port(flag: &str, v: &str) -> Result<u16, CliError> {
@@ -114,11 +144,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             }
         }
     }
-    let state = state.ok_or_else(|| {
-        CliError::Usage(
-            "--state: must be given (sqlite://PATH or postgres://...), got nothing".into(),
-        )
-    })?;
+    let state = state_url(state)?;
     init_logs(json_logs);
     let cwd =
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;

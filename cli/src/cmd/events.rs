@@ -3,7 +3,7 @@
 
 use lbscale_engine::store::Store;
 
-use crate::cmd::daemon::{check_state_url, flag_pairs};
+use crate::cmd::daemon::{check_state_url, flag_pairs, state_url};
 use crate::cmd::status::print_table;
 use crate::output::CliError;
 
@@ -32,11 +32,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             }
         }
     }
-    let state = state.ok_or_else(|| {
-        CliError::Usage(
-            "--state: must be given (sqlite://PATH or postgres://...), got nothing".into(),
-        )
-    })?;
+    let state = state_url(state)?;
     let cwd =
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
     let store =

@@ -6,7 +6,7 @@
 use lbscale_engine::cloud::local::LocalSettings;
 use lbscale_engine::Engine;
 
-use crate::cmd::daemon::{check_state_url, flag_pairs};
+use crate::cmd::daemon::{check_state_url, flag_pairs, state_url};
 use crate::cmd::events::format_time;
 use crate::output::CliError;
 use lbscale_daemon::group::phase_name;
@@ -27,11 +27,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             }
         }
     }
-    let state = state.ok_or_else(|| {
-        CliError::Usage(
-            "--state: must be given (sqlite://PATH or postgres://...), got nothing".into(),
-        )
-    })?;
+    let state = state_url(state)?;
     let cwd =
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
     let engine = Engine::open(&state, &cwd, LocalSettings::default())
