@@ -57,6 +57,9 @@ pub struct Workspace {
     pub prefix: String,
     /// The provider's `state` URL; `None` for the default SQLite file.
     pub state: Option<String>,
+    /// Give `state` to the provider through the environment (`LBSCALE_STATE`)
+    /// instead of its `state` argument.
+    pub state_from_env: bool,
     cli_config: PathBuf,
     applied: bool,
 }
@@ -87,6 +90,7 @@ impl Workspace {
             dir,
             prefix: format!("127.{octet}."),
             state: None,
+            state_from_env: false,
             cli_config,
             applied: false,
         }
@@ -109,6 +113,7 @@ provider "lbscale" {{{}
 "#,
             self.state
                 .as_ref()
+                .filter(|_| !self.state_from_env)
                 .map(|s| format!("\n  state = {s:?}"))
                 .unwrap_or_default(),
             self.prefix
@@ -125,7 +130,13 @@ provider "lbscale" {{{}
     }
 
     pub fn tf(&self, args: &[&str]) -> Output {
-        let out = Command::new(terraform())
+        let mut cmd = Command::new(terraform());
+        // The store is what the test says, never what the caller's shell has.
+        cmd.env_remove(lbscale_engine::store::STATE_URL_ENV);
+        if let (Some(url), true) = (&self.state, self.state_from_env) {
+            cmd.env(lbscale_engine::store::STATE_URL_ENV, url);
+        }
+        let out = cmd
             .args(args)
             .current_dir(&self.dir)
             .env("TF_CLI_CONFIG_FILE", &self.cli_config)
@@ -332,7 +343,7 @@ impl Drop for Workspace {
         }
         for (pid, _) in self.processes() {
             unsafe {
-                libc_kill(pid as i32, 9);
+                libc_kill(pid as i32, SIGKILL);
             }
         }
         if !std::thread::panicking() {
@@ -747,3 +758,164 @@ output "dns" {{ value = lbscale_traffic_distributor.d.address["dns"] }}
 "#
     )
 }
+
+/// A running `lbscale daemon` on a workspace's store, with its HTTP API on
+/// `127.0.0.1:port` and its log (JSON lines) in the workspace; killed
+/// (SIGKILL) when dropped, and its log printed if the test is failing.
+pub struct Daemon {
+    child: Option<std::process::Child>,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts a daemon and waits (at most 10 s) for its `/healthz`.
+    pub fn start(ws: &Workspace, port: u16, tag: &str) -> Daemon {
+        Daemon::start_with(ws, port, tag, &[])
+    }
+
+    /// As [`Daemon::start`], with extra environment (`LBSCALE_FAULT`, ...). The
+    /// store is the workspace's: through `LBSCALE_STATE` if the workspace gives
+    /// it to the provider that way, else `--state`.
+    pub fn start_with(ws: &Workspace, port: u16, tag: &str, env: &[(&str, &str)]) -> Daemon {
+        let log = ws.dir.join(format!("daemon-{tag}.log"));
+        let mut cmd = Command::new(bin_dir().join("lbscale"));
+        cmd.arg("daemon");
+        let state_env = lbscale_engine::store::STATE_URL_ENV;
+        cmd.env_remove(state_env).env_remove("LBSCALE_FAULT");
+        match (&ws.state, ws.state_from_env) {
+            (Some(url), true) => {
+                cmd.env(state_env, url);
+            }
+            (url, _) => {
+                cmd.args([
+                    "--state",
+                    url.as_deref().unwrap_or("sqlite://.lbscale/state.db"),
+                ]);
+            }
+        }
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--address-prefix",
+            &ws.prefix,
+            "--node-binary",
+            bin_dir().join("lbscale-node").to_str().unwrap(),
+            "--log-format",
+            "json",
+        ])
+        .current_dir(&ws.dir)
+        .env("LBSCALE_LOG", "info")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+        let child = cmd.spawn().expect("start lbscale daemon");
+        let d = Daemon {
+            child: Some(child),
+            port,
+            log,
+        };
+        wait_for("the daemon's /healthz", Duration::from_secs(10), || {
+            matches!(d.get("/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
+        });
+        d
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the daemon runs").id()
+    }
+
+    pub fn get(&self, path: &str) -> Result<(u16, String), String> {
+        daemon_get(self.port, path)
+    }
+
+    /// GET `path`, which must answer 200 with JSON.
+    pub fn json(&self, path: &str) -> Value {
+        let (code, body) = self.get(path).unwrap();
+        assert_eq!(code, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// The group `name` as `/v1/groups` shows it (`Null` if absent).
+    pub fn group(&self, name: &str) -> Value {
+        self.json("/v1/groups")["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["name"] == name)
+            .cloned()
+            .unwrap_or(Value::Null)
+    }
+
+    pub fn metrics(&self) -> String {
+        self.get("/metrics").unwrap().1
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; the daemon must exit 0 within 15 s.
+    pub fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        unsafe { libc_kill(child.id() as i32, SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "daemon exited with {status}:\n{}",
+                    self.logs()
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon did not exit within 15 s of SIGTERM:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn crash(mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc_kill(c.id() as i32, SIGKILL) };
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits (bounded) for the daemon to exit by itself, and returns how;
+    /// `None` if it still runs after `within` (dropping it then kills it).
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut().expect("the daemon runs");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                self.child = None;
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc_kill(c.id() as i32, SIGKILL) };
+            let _ = c.wait();
+            if std::thread::panicking() {
+                eprintln!("--- daemon log {} ---\n{}", self.log.display(), self.logs());
+            }
+        }
+    }
+}
+
+const SIGKILL: i32 = 9;
+const SIGTERM: i32 = 15;

@@ -16,16 +16,9 @@
 use lbscale_acceptance::*;
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
-extern "C" {
-    fn kill(pid: i32, sig: i32) -> i32;
-}
-const SIGKILL: i32 = 9;
-const SIGTERM: i32 = 15;
 const SIGABRT: i32 = 6;
 
 /// Scale out above 8 Mbps per node (the load generator), scale in below 1 Mbps
@@ -41,136 +34,47 @@ fn config_with(name: &str, backend: u16, max_nodes: u32, cooldown: &str) -> Stri
 /// Every daemon of this file listens on a port of its own.
 static NEXT_PORT: AtomicU16 = AtomicU16::new(19480);
 
-/// A running `lbscale daemon`; killed when dropped.
-struct Daemon {
-    child: Option<Child>,
-    port: u16,
-    log: PathBuf,
-}
-
-impl Daemon {
-    /// Starts a daemon; `fault` arms `LBSCALE_FAULT`.
-    fn start(ws: &Workspace, tag: &str, fault: Option<&str>) -> Daemon {
-        let port = NEXT_PORT.fetch_add(1, Ordering::SeqCst);
-        let log = ws.dir.join(format!("daemon-{tag}.log"));
-        let mut cmd = Command::new(bin_dir().join("lbscale"));
-        cmd.args([
-            "daemon",
-            "--state",
-            "sqlite://.lbscale/state.db",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--address-prefix",
-            &ws.prefix,
-            "--node-binary",
-            bin_dir().join("lbscale-node").to_str().unwrap(),
-            "--log-format",
-            "json",
-        ])
-        .current_dir(&ws.dir)
-        .env("LBSCALE_LOG", "info")
-        .env_remove("LBSCALE_FAULT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
-        if let Some(f) = fault {
-            cmd.env("LBSCALE_FAULT", f);
-        }
-        let child = cmd.spawn().expect("start lbscale daemon");
-        let d = Daemon {
-            child: Some(child),
-            port,
-            log,
-        };
-        wait_for("the daemon's /healthz", Duration::from_secs(10), || {
-            matches!(daemon_get(d.port, "/healthz"), Ok((200, ref b)) if b == "ok\n").then_some(())
-        });
-        d
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn workflows(&self, step: &str) -> f64 {
-        let m = daemon_get(self.port, "/metrics")
-            .map(|r| r.1)
-            .unwrap_or_default();
-        let series = format!("lbscale_workflow_seconds_count{{step=\"{step}\"}}");
-        m.lines()
-            .find_map(|l| {
-                l.strip_prefix(series.as_str())
-                    .and_then(|r| r.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
-    }
-
-    /// Waits (bounded) for the armed daemon to abort at `point`.
-    fn wait_aborted(mut self, point: &str, within: Duration) {
-        let mut child = self.child.take().unwrap();
-        let deadline = Instant::now() + within;
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if Instant::now() > deadline {
-                unsafe { kill(child.id() as i32, SIGKILL) };
-                let _ = child.wait();
-                panic!(
-                    "the daemon armed with LBSCALE_FAULT={point} did not abort within {within:?}:\n{}",
-                    self.logs()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert_eq!(
-            status.signal(),
-            Some(SIGABRT),
-            "the daemon must die by abort at {point}, got {status}:\n{}",
-            self.logs()
-        );
-        assert!(
-            self.logs()
-                .contains(&format!("LBSCALE_FAULT={point}: aborting")),
-            "{}",
-            self.logs()
-        );
-    }
-
-    /// SIGTERM; the daemon must exit 0 within 15 s.
-    fn stop(mut self) {
-        let mut child = self.child.take().unwrap();
-        unsafe { kill(child.id() as i32, SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "daemon exited with {status}:\n{}",
-                    self.logs()
-                );
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon did not exit within 15 s of SIGTERM:\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+/// Starts a daemon on a port of its own; `fault` arms `LBSCALE_FAULT`.
+fn start_daemon(ws: &Workspace, tag: &str, fault: Option<&str>) -> Daemon {
+    let port = NEXT_PORT.fetch_add(1, Ordering::SeqCst);
+    match fault {
+        Some(f) => Daemon::start_with(ws, port, tag, &[("LBSCALE_FAULT", f)]),
+        None => Daemon::start(ws, port, tag),
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            unsafe { kill(c.id() as i32, SIGKILL) };
-            let _ = c.wait();
-            if std::thread::panicking() {
-                eprintln!("--- daemon log {} ---\n{}", self.log.display(), self.logs());
-            }
-        }
-    }
+/// Scale-out workflows the daemon has finished (its /metrics).
+fn workflows(d: &Daemon, step: &str) -> f64 {
+    let m = d.get("/metrics").map(|r| r.1).unwrap_or_default();
+    let series = format!("lbscale_workflow_seconds_count{{step=\"{step}\"}}");
+    m.lines()
+        .find_map(|l| {
+            l.strip_prefix(series.as_str())
+                .and_then(|r| r.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+/// Waits (bounded) for the armed daemon to abort at `point`.
+fn wait_aborted(mut d: Daemon, point: &str, within: Duration) {
+    let Some(status) = d.wait_exit(within) else {
+        panic!(
+            "the daemon armed with LBSCALE_FAULT={point} did not abort within {within:?}:\n{}",
+            d.logs()
+        );
+    };
+    assert_eq!(
+        status.signal(),
+        Some(SIGABRT),
+        "the daemon must die by abort at {point}, got {status}:\n{}",
+        d.logs()
+    );
+    assert!(
+        d.logs()
+            .contains(&format!("LBSCALE_FAULT={point}: aborting")),
+        "{}",
+        d.logs()
+    );
 }
 
 /// Node processes of the workspace: (node id, listen ip).
@@ -303,9 +207,9 @@ fn a_daemon_killed_during_scale_out_is_resumed_by_the_next() {
     ] {
         let before: BTreeSet<String> = rows(&ws, "fout").into_iter().map(|r| r.id).collect();
         assert_eq!(before.len(), 1, "{point}: one node before the scale-out");
-        let armed = Daemon::start(&ws, &format!("{point}-armed"), Some(point));
+        let armed = start_daemon(&ws, &format!("{point}-armed"), Some(point));
         let load = Load::start(&first_ip, domain);
-        armed.wait_aborted(point, BOUND);
+        wait_aborted(armed, point, BOUND);
         load.stop();
         let new: Vec<_> = rows(&ws, "fout")
             .into_iter()
@@ -318,7 +222,7 @@ fn a_daemon_killed_during_scale_out_is_resumed_by_the_next() {
         );
         let new_id = new[0].id.clone();
 
-        let resumed = Daemon::start(&ws, &format!("{point}-resume"), None);
+        let resumed = start_daemon(&ws, &format!("{point}-resume"), None);
         let nodes = wait_settled(&ws, &dns, "fout", &format!("resume after {point}"), BOUND);
         assert!(
             nodes.iter().any(|(_, ip)| *ip == first_ip),
@@ -370,7 +274,7 @@ fn a_daemon_killed_during_scale_in_is_resumed_by_the_next() {
     let mut ws = Workspace::new("faults-in", 124);
     let (dns, first_ip) = apply_group(&mut ws, "fin", backend);
     let domain = "fin.lbscale.test";
-    let mut current = Daemon::start(&ws, "first", None);
+    let mut current = start_daemon(&ws, "first", None);
     for point in [
         "after_deregister",
         "after_drain",
@@ -379,7 +283,7 @@ fn a_daemon_killed_during_scale_in_is_resumed_by_the_next() {
         // Two nodes first, without a fault.
         let load = Load::start(&first_ip, domain);
         wait_for(&format!("{point}: scale-out to 2"), BOUND, || {
-            (current.workflows("scale_out") >= 1.0).then_some(())
+            (workflows(&current, "scale_out") >= 1.0).then_some(())
         });
         load.stop();
         current.stop();
@@ -398,9 +302,9 @@ fn a_daemon_killed_during_scale_in_is_resumed_by_the_next() {
             .0
             .clone();
 
-        let armed = Daemon::start(&ws, &format!("{point}-armed"), Some(point));
-        armed.wait_aborted(point, BOUND);
-        let resumed = Daemon::start(&ws, &format!("{point}-resume"), None);
+        let armed = start_daemon(&ws, &format!("{point}-armed"), Some(point));
+        wait_aborted(armed, point, BOUND);
+        let resumed = start_daemon(&ws, &format!("{point}-resume"), None);
         let nodes = wait_settled(&ws, &dns, "fin", &format!("resume after {point}"), BOUND);
         assert_eq!(
             nodes.iter().map(|(_, ip)| ip.clone()).collect::<Vec<_>>(),
@@ -438,10 +342,10 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
     let domain = "fcool.lbscale.test";
     let group_id = ws.store().group_by_name("fcool").unwrap().unwrap().id;
 
-    let first = Daemon::start(&ws, "first", None);
+    let first = start_daemon(&ws, "first", None);
     let load = Load::start(&first_ip, domain);
     wait_for("the first scale-out", BOUND, || {
-        (first.workflows("scale_out") >= 1.0).then_some(())
+        (workflows(&first, "scale_out") >= 1.0).then_some(())
     });
     // The policy state as the store holds it: `{"phase": {"kind": "cooldown",
     // "until": ms}, ...}`.
@@ -462,7 +366,7 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
 
     // The second daemon takes the group over once the dead one's claim expires,
     // within the cooldown, and shows the persisted end of it.
-    let second = Daemon::start(&ws, "second", None);
+    let second = start_daemon(&ws, "second", None);
     let shown = wait_for(
         "the second daemon to take the group over in the cooldown",
         BOUND,
@@ -480,7 +384,7 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
     // Load above max all along: the next scale-out comes, but only after the
     // cooldown that the first daemon started.
     wait_for("the scale-out after the cooldown", BOUND, || {
-        (second.workflows("scale_out") >= 1.0).then_some(())
+        (workflows(&second, "scale_out") >= 1.0).then_some(())
     });
     load.stop();
     let outs: Vec<i64> = events(&ws, "fcool")

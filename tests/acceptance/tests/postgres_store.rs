@@ -1,18 +1,15 @@
-//! The PostgreSQL store end to end: the provider with `state = "postgres://..."`
-//! applies a stack, the plan after it is empty, the daemon and the CLI work on the
-//! same database, and destroy leaves no row behind. Needs
+//! The PostgreSQL store end to end: the provider, given the URL (with its
+//! password) through `LBSCALE_STATE`, applies a stack, the plan after it is
+//! empty, the daemon (also from `LBSCALE_STATE`, so the password is not on its
+//! command line) and the CLI (`--state`) work on the same database, and destroy
+//! leaves no row behind. Needs
 //! `LBSCALE_TEST_POSTGRES_URL` (scripts/test.sh starts a server); fails without
 //! it when `CI=true`, and is skipped with a note otherwise.
 
 use lbscale_acceptance::*;
 use lbscale_engine::store_testing::{Kind, TestStore};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-extern "C" {
-    fn kill(pid: i32, sig: i32) -> i32;
-}
-const SIGTERM: i32 = 15;
+use std::process::Command;
+use std::time::Duration;
 
 const CONFIG: &str = r#"
 resource "lbscale_traffic_distributor" "d" {
@@ -69,7 +66,14 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
     let secret = password(&ts.url);
     let mut ws = Workspace::new("postgres", 126);
     ws.state = Some(ts.url.clone());
+    ws.state_from_env = true;
     ws.write(CONFIG);
+    assert!(
+        !std::fs::read_to_string(ws.dir.join("main.tf"))
+            .unwrap()
+            .contains(&ts.url),
+        "the store URL is in main.tf"
+    );
     let applied = ws.apply();
     if let Some(p) = &secret {
         assert!(
@@ -94,41 +98,32 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
     assert_eq!(dig(&dns, "pg.lbscale.test").len(), 1);
 
     // The daemon on the same database: it claims the group and reports it.
-    let port = free_port();
-    let log = ws.dir.join("daemon.log");
-    let mut daemon = Command::new(bin_dir().join("lbscale"))
-        .args([
-            "daemon",
-            "--state",
-            &ts.url,
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--address-prefix",
-            &ws.prefix,
-            "--node-binary",
-            bin_dir().join("lbscale-node").to_str().unwrap(),
-        ])
-        .current_dir(&ws.dir)
-        .env("LBSCALE_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("start lbscale daemon");
-    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    let daemon = Daemon::start(&ws, free_port(), "pg");
     wait_for(
         "the daemon to evaluate the group",
         Duration::from_secs(20),
-        || match daemon_get(port, "/v1/groups") {
+        || match daemon.get("/v1/groups") {
             Ok((200, body)) if body.contains("\"pg\"") => Some(()),
             _ => None,
         },
     );
+    // Its claim is a row in the database, beside the workflows' leases.
     wait_for(
         "the daemon's claim on the group",
         Duration::from_secs(20),
-        || (ws.store().count_rows("leases").unwrap() > 0).then_some(()),
+        || {
+            ts.raw_text(
+                "SELECT holder FROM leases WHERE group_id LIKE 'daemon/%' AND expires_ms > 0",
+            )
+        },
     );
+    if let Some(p) = &secret {
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", daemon.pid())).unwrap();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains(p.as_str()),
+            "the password is on the daemon's command line"
+        );
+    }
     // The CLI reads the same store.
     let status = Command::new(bin_dir().join("lbscale"))
         .args(["status", "--state", &ts.url])
@@ -142,21 +137,9 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
         String::from_utf8_lossy(&status.stderr)
     );
     assert!(out.contains("pg"), "{out}");
-    unsafe { kill(daemon.id() as i32, SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Some(st) = daemon.try_wait().unwrap() {
-            assert!(st.success(), "daemon exited with {st}:\n{}", logs());
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "daemon did not stop:\n{}",
-            logs()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let logs = logs();
+    let log = daemon.log.clone();
+    daemon.stop();
+    let logs = std::fs::read_to_string(log).unwrap();
     assert!(logs.contains("lbscale daemon started"), "{logs}");
     if let Some(p) = &secret {
         assert!(!logs.contains(p.as_str()), "the daemon logged the password");
