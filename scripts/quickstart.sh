@@ -405,6 +405,8 @@ done
 [ -n "$new_addr" ] || die "the distributor does not hand out a new address: ${addresses2[*]}"
 step "the new node $new_addr is in DNS ($domain A: ${addresses2[*]}) and serves"
 show_request "$new_addr" "new" || die "the new node $new_addr does not answer"
+took_ms=$(grep -o 'decision_to_serving_ms=[0-9]*' "$work/daemon.log" | tail -n1 | cut -d= -f2 || true)
+[ -z "$took_ms" ] || info "from the confirmed breach (the daemon's scale_out decision) to the new node serving: $took_ms ms"
 info "slow start: the new node's backends ramp (1 request/s more every 2 s); what they may not take"
 info "yet, the new node passes on to the older node. As the new node reports it (/v1/groups):"
 ramp_seen=0
