@@ -5,6 +5,10 @@
 #                               private cluster on 127.0.0.1 and a free port, and
 #                               prints its URL (user lbscale, a random password)
 #   scripts/postgres.sh url     prints the URL of the running cluster
+#   scripts/postgres.sh ca      prints the path of the CA certificate (PEM) that
+#                               signed the server's TLS certificate (the server
+#                               takes TLS and plain connections; the certificate
+#                               names IP 127.0.0.1 only)
 #   scripts/postgres.sh watch   runs until the server exits, then says when (run
 #                               it in the background beside a test suite: a dead
 #                               server is otherwise only "error connecting to server")
@@ -43,6 +47,13 @@ bindir() {
 }
 
 install() {
+    if ! command -v openssl >/dev/null; then
+        log "installing openssl (apt-get), for the test server's TLS certificates"
+        local s=
+        [ "$(id -u)" = 0 ] || s=sudo
+        $s apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive $s apt-get install -y -qq --no-install-recommends openssl >&2
+    fi
     [ -n "$(bindir)" ] && return 0
     log "installing PostgreSQL (apt-get)"
     local sudo=
@@ -87,9 +98,10 @@ start() {
         --auth-local=trust --auth-host=scram-sha-256 -E UTF8 --locale=C.UTF-8 >"$dir/initdb.log" 2>&1 \
         || { cat "$dir/initdb.log" >&2; exit 1; }
     rm -f "$dir/pwfile"
+    make_certificates
     port=$(free_port)
     as_server_user "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 30 \
-        -o "-c listen_addresses=127.0.0.1 -p $port -k $dir/sock -c max_connections=300 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
+        -o "-c listen_addresses=127.0.0.1 -p $port -k $dir/sock -c max_connections=300 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c ssl=on -c ssl_cert_file=$dir/tls/server.crt -c ssl_key_file=$dir/tls/server.key" \
         start >/dev/null || { cat "$dir/server.log" >&2; exit 1; }
     # Bounded wait until it takes connections on the port.
     local ok=
@@ -101,6 +113,27 @@ start() {
     echo "postgres://lbscale:$password@127.0.0.1:$port/postgres" >"$dir/url"
     chmod 600 "$dir/url"
     cat "$dir/url"
+}
+
+# A throwaway CA and a server certificate it signed, for the TLS tests.
+make_certificates() {
+    local t="$dir/tls"
+    mkdir -p "$t"
+    (
+        cd "$t"
+        openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lbscale test CA" \
+            -keyout ca.key -out ca.pem
+        openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" -keyout server.key -out server.csr
+        printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >server.ext
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
+            -extfile server.ext -out server.crt
+    ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; exit 1; }
+    rm -f "$t/ca.key" "$t/server.csr"
+    chmod 600 "$t/server.key"
+    chmod 644 "$t/ca.pem"
+    if [ "$(id -u)" = 0 ]; then
+        chown -R postgres:postgres "$t"
+    fi
 }
 
 server_pid() {
@@ -153,8 +186,9 @@ start) start ;;
 stop) stop ;;
 watch) watch ;;
 url) cat "$dir/url" ;;
+ca) echo "$dir/tls/ca.pem" ;;
 *)
-    echo "usage: $0 start|stop|url|watch" >&2
+    echo "usage: $0 start|stop|url|ca|watch" >&2
     exit 2
     ;;
 esac

@@ -15,7 +15,8 @@ if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
     watcher=
     trap '[ -n "$watcher" ] && kill "$watcher" 2>/dev/null; "$root/scripts/postgres.sh" stop' EXIT
     LBSCALE_TEST_POSTGRES_URL=$("$root/scripts/postgres.sh" start)
-    export LBSCALE_TEST_POSTGRES_URL
+    LBSCALE_TEST_POSTGRES_CA=$("$root/scripts/postgres.sh" ca)
+    export LBSCALE_TEST_POSTGRES_URL LBSCALE_TEST_POSTGRES_CA
     "$root/scripts/postgres.sh" watch &
     watcher=$!
 fi

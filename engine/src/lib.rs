@@ -16,6 +16,7 @@ pub mod cloud;
 pub mod fault;
 pub mod model;
 pub mod nodeapi;
+mod pgtls;
 pub mod placement;
 pub mod reconcile;
 mod sqldb;

@@ -336,6 +336,12 @@ impl PgConn {
     pub fn connect(url: &str, lock_wait: Duration) -> Result<PgConn> {
         let redacted = redact_url(url);
         let secret = password_of(url);
+        let invalid = |detail: String| StoreError::Open {
+            store: redacted.clone(),
+            detail: scrub(&detail, secret.as_deref()),
+        };
+        let (url, tls) = crate::pgtls::split_tls_params(url).map_err(&invalid)?;
+        let connector = tls.connector().map_err(&invalid)?;
         let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| {
             StoreError::Sql(scrub(
                 &format!("the store URL {redacted} is not a valid PostgreSQL URL: {e}"),
@@ -347,11 +353,12 @@ impl PgConn {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
+        config.ssl_mode(tls.client_mode());
         let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("lbscale-postgres".into())
-            .spawn(move || worker(config, lock_wait, rx, ready_tx))
+            .spawn(move || worker(config, connector, lock_wait, rx, ready_tx))
             .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
         let conn = PgConn {
             tx,
@@ -440,12 +447,13 @@ fn params(p: &[Value]) -> Vec<&(dyn postgres::types::ToSql + Sync)> {
 
 fn worker(
     config: postgres::Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     lock_wait: Duration,
     rx: mpsc::Receiver<(Req, mpsc::SyncSender<Reply>)>,
     ready: mpsc::SyncSender<std::result::Result<(), PgFailure>>,
 ) {
     let connect = |config: &postgres::Config| -> std::result::Result<postgres::Client, PgFailure> {
-        let mut c = config.connect(postgres::NoTls).map_err(failure)?;
+        let mut c = config.connect(tls.clone()).map_err(failure)?;
         c.batch_execute(&format!("SET lock_timeout = '{}ms'", lock_wait.as_millis()))
             .map_err(failure)?;
         Ok(c)
@@ -550,7 +558,7 @@ pub(crate) fn redact_url(url: &str) -> String {
 }
 
 /// The password in `scheme://user:password@host...`, as written.
-fn password_of(url: &str) -> Option<String> {
+pub(crate) fn password_of(url: &str) -> Option<String> {
     let rest = url.split_once("://")?.1;
     let authority = rest.split(['/', '?']).next()?;
     let userinfo = authority.rsplit_once('@')?.0;

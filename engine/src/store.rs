@@ -1587,11 +1587,101 @@ mod tests {
                 .as_deref(),
             Some("lbs")
         );
-        // TLS is not built: a URL that requires it is refused, not downgraded.
-        let err = Store::open_url(&format!("{}?sslmode=require", ts.url), &ts.dir)
+    }
+
+    /// TLS with libpq's `sslmode` / `sslrootcert`, against the test server
+    /// (scripts/postgres.sh: TLS on, a certificate for IP 127.0.0.1 only, signed
+    /// by the CA at LBSCALE_TEST_POSTGRES_CA). Whether the store's own
+    /// connection is encrypted is read from the server's pg_stat_ssl.
+    #[test]
+    fn a_postgres_store_over_tls_authenticates_the_server_as_asked() {
+        let Some(ts) = TestStore::new(Kind::Postgres, "tls") else {
+            return;
+        };
+        let Some(ca) = crate::store_testing::postgres_ca("tls") else {
+            return;
+        };
+        let db = ts.url.rsplit('/').next().unwrap().to_string();
+        // Connections to this database that are encrypted (ts.raw_text's own
+        // connection is plain, so it does not count itself).
+        let encrypted = || {
+            ts.raw_text(&format!(
+                "SELECT count(*)::text FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.datname = '{db}' AND s.ssl"
+            ))
+            .unwrap()
+        };
+        let open = |params: &str| Store::open_url(&format!("{}?{params}", ts.url), &ts.dir);
+
+        let s = open(&format!("sslmode=verify-full&sslrootcert={}", ca.display())).unwrap();
+        s.record_event("g", None, "k", "over TLS").unwrap();
+        assert_eq!(encrypted(), "1", "verify-full did not encrypt");
+        drop(s);
+
+        let s = open("sslmode=disable").unwrap();
+        s.record_event("g", None, "k", "plain").unwrap();
+        assert_eq!(encrypted(), "0", "disable encrypted");
+        drop(s);
+
+        // require: encrypted, the server not authenticated (libpq's meaning).
+        let s = open("sslmode=require").unwrap();
+        assert_eq!(s.count_rows("events").unwrap(), 2);
+        assert_eq!(encrypted(), "1", "require did not encrypt");
+        drop(s);
+
+        // A CA that did not sign the server's certificate: refused.
+        let other = ts.dir.join("other-ca.pem");
+        let made = std::process::Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args(["-subj", "/CN=not the server's CA", "-keyout"])
+            .arg(ts.dir.join("other-ca.key"))
+            .arg("-out")
+            .arg(&other)
+            .output()
+            .expect("run openssl");
+        assert!(
+            made.status.success(),
+            "{}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let err = open(&format!(
+            "sslmode=verify-ca&sslrootcert={}",
+            other.display()
+        ))
+        .err()
+        .expect("a server signed by another CA was trusted");
+        assert!(err.to_string().contains("certificate"), "{err}");
+
+        // verify-ca checks the chain only; verify-full also the name, and the
+        // certificate names 127.0.0.1, not localhost.
+        let by_name = ts.url.replacen("@127.0.0.1:", "@localhost:", 1);
+        assert_ne!(by_name, ts.url, "the test server is not at 127.0.0.1");
+        let open_by_name = |params: &str| Store::open_url(&format!("{by_name}?{params}"), &ts.dir);
+        open_by_name(&format!("sslmode=verify-ca&sslrootcert={}", ca.display()))
+            .expect("verify-ca checked the host name");
+        let err = open_by_name(&format!("sslmode=verify-full&sslrootcert={}", ca.display()))
             .err()
-            .unwrap();
-        assert!(matches!(err, StoreError::Open { .. }), "{err}");
+            .expect("verify-full accepted a certificate for another name");
+        assert!(err.to_string().contains("certificate"), "{err}");
+
+        // Bad parameters are named; the password is never shown.
+        let err = open("sslmode=verify-full").err().unwrap().to_string();
+        assert!(err.contains("needs sslrootcert=PATH"), "{err}");
+        let err = open("sslmode=maybe").err().unwrap().to_string();
+        assert!(err.contains("sslmode: must be one of"), "{err}");
+        let err = open("sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("sslrootcert: cannot read /nonexistent/ca.pem"),
+            "{err}"
+        );
+        if let Some(pw) = crate::sqldb::password_of(&ts.url) {
+            assert!(!err.contains(&pw), "{err}");
+        }
     }
 
     #[test]

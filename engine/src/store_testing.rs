@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 
 pub const POSTGRES_URL_VAR: &str = "LBSCALE_TEST_POSTGRES_URL";
+/// The CA certificate (PEM) that signed the test server's TLS certificate.
+pub const POSTGRES_CA_VAR: &str = "LBSCALE_TEST_POSTGRES_CA";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -51,6 +53,26 @@ pub fn postgres_admin_url(test: &str) -> Option<String> {
                 std::io::stderr(),
                 "note: {test}: SKIPPED the PostgreSQL variant: {POSTGRES_URL_VAR} is not set \
                  (scripts/test.sh sets it; or export {POSTGRES_URL_VAR}=$(scripts/postgres.sh start))"
+            );
+            None
+        }
+    }
+}
+
+/// The test server's CA certificate, if configured; as [`postgres_admin_url`]:
+/// required when `CI=true`, a printed skip otherwise.
+pub fn postgres_ca(test: &str) -> Option<PathBuf> {
+    match std::env::var(POSTGRES_CA_VAR) {
+        Ok(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") => {
+            panic!("{test}: {POSTGRES_CA_VAR} is not set but CI=true (scripts/test.sh sets it)")
+        }
+        _ => {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "note: {test}: SKIPPED the TLS checks: {POSTGRES_CA_VAR} is not set \
+                 (export {POSTGRES_CA_VAR}=$(scripts/postgres.sh ca))"
             );
             None
         }

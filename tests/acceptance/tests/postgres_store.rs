@@ -64,14 +64,24 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
         return;
     };
     let secret = password(&ts.url);
+    // Over TLS, the server authenticated by its CA, when the test server has one
+    // (scripts/test.sh: always).
+    let url = match lbscale_engine::store_testing::postgres_ca("acceptance") {
+        Some(ca) => format!(
+            "{}?sslmode=verify-full&sslrootcert={}",
+            ts.url,
+            ca.display()
+        ),
+        None => ts.url.clone(),
+    };
     let mut ws = Workspace::new("postgres", 126);
-    ws.state = Some(ts.url.clone());
+    ws.state = Some(url.clone());
     ws.state_from_env = true;
     ws.write(CONFIG);
     assert!(
         !std::fs::read_to_string(ws.dir.join("main.tf"))
             .unwrap()
-            .contains(&ts.url),
+            .contains(&url),
         "the store URL is in main.tf"
     );
     let applied = ws.apply();
@@ -117,6 +127,22 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
             )
         },
     );
+    if url.contains("sslmode=verify-full") {
+        // The daemon's connections (all but this check's own) are encrypted.
+        let db = ts.url.rsplit('/').next().unwrap();
+        let seen = ts
+            .raw_text(&format!(
+                "SELECT count(*) FILTER (WHERE s.ssl)::text || '/' || count(*)::text \
+             FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.datname = '{db}' AND a.pid <> pg_backend_pid()"
+            ))
+            .unwrap();
+        let (tls, all) = seen.split_once('/').unwrap();
+        assert!(
+            all != "0" && tls == all,
+            "encrypted/all connections of the daemon: {seen}"
+        );
+    }
     if let Some(p) = &secret {
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", daemon.pid())).unwrap();
         assert!(
@@ -126,7 +152,7 @@ fn a_stack_on_a_postgres_store_applies_plans_empty_and_destroys_clean() {
     }
     // The CLI reads the same store.
     let status = Command::new(bin_dir().join("lbscale"))
-        .args(["status", "--state", &ts.url])
+        .args(["status", "--state", &url])
         .current_dir(&ws.dir)
         .output()
         .unwrap();
