@@ -403,6 +403,19 @@ fn attribute_name(field: &str) -> &'static str {
     }
 }
 
+/// COOKIE persistence needs HTTP: the node inserts and reads the cookie in HTTP
+/// headers, which a TCP or UDP vserver does not parse. A rule of the vserver
+/// alone, so the provider checks it at validate time.
+pub fn check_vserver_persistence(findings: &mut Findings, service_type: &str, persistence: &str) {
+    if persistence == "COOKIE" && matches!(service_type, "TCP" | "UDP") {
+        findings.0.push(Finding::error(
+            vec![PathStep::Attr("persistence")],
+            "COOKIE persistence on a non-HTTP vserver",
+            format!("COOKIE persistence needs an HTTP vserver: a {service_type} vserver has no HTTP headers to carry the cookie. Use SOURCEIP or NONE."),
+        ));
+    }
+}
+
 /// The plan-time rule that ties a vserver to the distributor of its group.
 pub fn check_vserver_placement(
     findings: &mut Findings,
@@ -493,5 +506,25 @@ mod tests {
         let mut g = Findings::default();
         check_vserver_placement(&mut g, "UDP", "SOURCEIP", "dns", 1);
         assert!(g.0.is_empty());
+    }
+
+    #[test]
+    fn cookie_persistence_needs_http() {
+        for t in ["TCP", "UDP"] {
+            let mut f = Findings::default();
+            check_vserver_persistence(&mut f, t, "COOKIE");
+            assert_eq!(f.0.len(), 1, "{t}");
+            assert_eq!(f.0[0].severity, Severity::Error);
+            assert_eq!(f.0[0].path, vec![PathStep::Attr("persistence")]);
+            assert!(f.0[0]
+                .detail
+                .starts_with("COOKIE persistence needs an HTTP vserver"));
+            assert!(f.0[0].detail.contains(&format!("a {t} vserver")));
+        }
+        let mut ok = Findings::default();
+        check_vserver_persistence(&mut ok, "HTTP", "COOKIE");
+        check_vserver_persistence(&mut ok, "TCP", "SOURCEIP");
+        check_vserver_persistence(&mut ok, "UDP", "NONE");
+        assert!(ok.0.is_empty());
     }
 }

@@ -2,7 +2,7 @@
 //! hyper client connections towards each service.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use tokio::net::TcpStream;
 use crate::lb::ServiceRt;
 use crate::metrics::{add_bytes, ConnGuard};
 use crate::node::Vserver;
+use crate::persist::{find_cookie, Persistence};
 
 const MAX_IDLE_PER_SERVICE: usize = 512;
 
@@ -280,8 +281,16 @@ async fn proxy(
     vs: Arc<Vserver>,
     st: Arc<crate::lb::VsState>,
     xff: HeaderValue,
+    client: IpAddr,
 ) -> Response<RespBody> {
-    let Some(mut idx) = st.pick(None) else {
+    // COOKIE: the service the request's cookie keeps it on, when it may take it.
+    let sticky = match st.persistence {
+        Persistence::Cookie => find_cookie(req.headers(), &st.cookie_name)
+            .and_then(|t| st.service_of_token(t))
+            .and_then(|i| st.pick_persistent(i)),
+        _ => None,
+    };
+    let Some(mut idx) = sticky.or_else(|| vs.pick_for(&st, client, None)) else {
         return simple(
             &vs,
             StatusCode::SERVICE_UNAVAILABLE,
@@ -327,6 +336,11 @@ async fn proxy(
                 parts
                     .headers
                     .insert(X_LBSCALE_SERVICE.clone(), rt.name_hv.clone());
+                if st.persistence == Persistence::Cookie && sticky != Some(idx) {
+                    if let Some(c) = st.set_cookie(idx) {
+                        parts.headers.append(header::SET_COOKIE, c.clone());
+                    }
+                }
                 let guard = RespGuard {
                     rt,
                     sender: Some(sender),
@@ -341,7 +355,7 @@ async fn proxy(
                 rt.active.fetch_sub(1, Ordering::Relaxed);
                 if !retried {
                     retried = true;
-                    if let Some(j) = st.pick(Some(idx)) {
+                    if let Some(j) = vs.pick_for(&st, client, Some(idx)) {
                         idx = j;
                         req = *r;
                         continue;
@@ -359,7 +373,9 @@ async fn proxy(
 
 /// Serves one client connection until it closes, the vserver closes (graceful:
 /// in-flight requests finish, idle keep-alive closes) or the node is killed.
-pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, vs: Arc<Vserver>) {
+/// `client` is the SOURCEIP persistence key: the peer's address, or the one a
+/// scale-out primary announced.
+pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, client: IpAddr, vs: Arc<Vserver>) {
     let _g = ConnGuard::new();
     let _ = stream.set_nodelay(true);
     let xff = HeaderValue::from_str(&peer.ip().to_string())
@@ -382,7 +398,7 @@ pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, vs: Arc<Vserver>) {
             c.state.clone()
         };
         let xff = xff.clone();
-        async move { Ok::<_, Infallible>(proxy(req, vs, st, xff).await) }
+        async move { Ok::<_, Infallible>(proxy(req, vs, st, xff, client).await) }
     });
     let mut b = hyper::server::conn::http1::Builder::new();
     b.timer(TokioTimer::new())

@@ -428,6 +428,11 @@ pub struct VsState {
     cursor: AtomicUsize,
     /// Hands out the shares that capped/DOWN services could not take.
     overflow: AtomicUsize,
+    pub persistence: crate::persist::Persistence,
+    /// COOKIE: the cookie's name, and each own service's token and `Set-Cookie`
+    /// value (None for ramp peers).
+    pub cookie_name: String,
+    cookies: Vec<Option<(String, HeaderValue)>>,
 }
 
 impl VsState {
@@ -447,7 +452,69 @@ impl VsState {
             overflow_schedule,
             cursor: AtomicUsize::new(0),
             overflow: AtomicUsize::new(0),
+            persistence: crate::persist::Persistence::None,
+            cookie_name: String::new(),
+            cookies: Vec::new(),
         }
+    }
+
+    /// Sets the vserver's persistence (see `crate::persist`). COOKIE applies to
+    /// HTTP vservers only; elsewhere it is NONE.
+    pub fn with_persistence(mut self, p: crate::persist::Persistence) -> Self {
+        use crate::persist::{cookie_name, cookie_token, Persistence};
+        let p = match p {
+            Persistence::Cookie if self.kind != Kind::Http => Persistence::None,
+            p => p,
+        };
+        self.persistence = p;
+        if p == Persistence::Cookie {
+            self.cookie_name = cookie_name(&self.name);
+            self.cookies = self
+                .services
+                .iter()
+                .map(|e| {
+                    if e.peer {
+                        return None;
+                    }
+                    let t = cookie_token(&e.rt.name, &e.rt.host, e.rt.port);
+                    let v = format!("{}={t}; Path=/; HttpOnly", self.cookie_name);
+                    HeaderValue::from_str(&v).ok().map(|v| (t, v))
+                })
+                .collect();
+        }
+        self
+    }
+
+    /// COOKIE: the own service whose token is `token`.
+    pub fn service_of_token(&self, token: &str) -> Option<usize> {
+        self.cookies
+            .iter()
+            .position(|c| c.as_ref().is_some_and(|(t, _)| t == token))
+    }
+
+    /// COOKIE: the `Set-Cookie` value that keeps a client on service `idx`.
+    pub fn set_cookie(&self, idx: usize) -> Option<&HeaderValue> {
+        self.cookies.get(idx)?.as_ref().map(|(_, v)| v)
+    }
+
+    /// The index of the (own) service whose runtime is `rt`.
+    pub fn index_of(&self, rt: &Arc<ServiceRt>) -> Option<usize> {
+        self.services
+            .iter()
+            .position(|e| !e.peer && Arc::ptr_eq(&e.rt, rt))
+    }
+
+    /// A persistent client's service `idx`, if it may still take it: an own
+    /// service, enabled, UP and not draining. Bypasses the LB method and the
+    /// slow-start cap (a persistent session is not new load) but counts in the
+    /// service's `requests_total`.
+    pub fn pick_persistent(&self, idx: usize) -> Option<usize> {
+        let e = self.services.get(idx)?;
+        if e.peer || !e.usable() || e.rt.is_draining() {
+            return None;
+        }
+        e.rt.requests_total.fetch_add(1, Ordering::Relaxed);
+        Some(idx)
     }
 
     /// Chooses a service, never `exclude`, never a disabled or DOWN one. Honours

@@ -8,6 +8,7 @@ mod lb;
 mod metrics;
 mod nlb;
 mod node;
+mod persist;
 mod scaleout;
 mod slowstart;
 mod tcp;
@@ -27,7 +28,7 @@ usage:
   lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --memory-limit-mb N [NODE OPTIONS]
   lbscale-node dns --listen IP:PORT --config FILE --status FILE
   lbscale-node nlb --config FILE --status FILE
-  lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [NODE OPTIONS]
+  lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [--persistence NONE|COOKIE|SOURCEIP] [NODE OPTIONS]
 
 node options (serve, standalone):
   --health-interval-ms N   TCP-connect health check of every service every N ms (default 1000; 0 = off)
@@ -35,12 +36,15 @@ node options (serve, standalone):
   --health-rise K          consecutive successes that bring it UP again (default 2)
   --service-drain-timeout-ms N  a disabled or removed service's connections may go on
                            for N ms, then close (default 30000)
+  --persistence-timeout-ms N  SOURCEIP persistence: a client's entry expires after N ms
+                           without use (default 120000)
   --custom-load-file PATH  JSON object of CUSTOMLOAD values, {\"vserver/service\": load} or
                            {\"service\": load}; polled every 200 ms
 ";
 
-const NODE_OPTS: [&str; 5] = [
+const NODE_OPTS: [&str; 6] = [
     "service-drain-timeout-ms",
+    "persistence-timeout-ms",
     "health-interval-ms",
     "health-fall",
     "health-rise",
@@ -61,6 +65,12 @@ fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
     };
     if let Some(ms) = num("service-drain-timeout-ms")? {
         o.service_drain = std::time::Duration::from_millis(ms);
+    }
+    if let Some(ms) = num("persistence-timeout-ms")? {
+        if ms == 0 {
+            bail!("--persistence-timeout-ms must be 1 or more");
+        }
+        o.persistence_timeout = std::time::Duration::from_millis(ms);
     }
     if let Some(ms) = num("health-interval-ms")? {
         o.health.interval = std::time::Duration::from_millis(ms);
@@ -253,7 +263,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
             service_type: mode as i32,
             port: listen.port() as u32,
             lb_method: method as i32,
-            persistence: "NONE".into(),
+            persistence: a.get("persistence").unwrap_or("NONE").to_string(),
             services,
             slow_start: None,
             scaleout: None,
@@ -308,7 +318,7 @@ fn main() {
         "standalone" => Args::parse(
             rest,
             &[
-                &["listen", "mode", "lb-method", "service"][..],
+                &["listen", "mode", "lb-method", "service", "persistence"][..],
                 &NODE_OPTS[..],
             ]
             .concat(),

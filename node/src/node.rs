@@ -30,6 +30,8 @@ pub struct Vserver {
     pub node_hv: HeaderValue,
     /// Native scale-out: where new connections go, forwarding statistics.
     pub scaleout: crate::scaleout::Scaleout,
+    /// SOURCEIP persistence: client IP → service (kept across configurations).
+    pub sources: crate::persist::SourceTable,
 }
 
 impl Vserver {
@@ -45,6 +47,16 @@ impl Vserver {
     #[inline]
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
+    }
+
+    /// Picks a service for a new request (HTTP), connection (TCP) or flow (UDP)
+    /// from `client`, never `exclude`, honouring SOURCEIP persistence.
+    pub fn pick_for(&self, st: &VsState, client: IpAddr, exclude: Option<usize>) -> Option<usize> {
+        if st.persistence == crate::persist::Persistence::SourceIp {
+            crate::persist::pick_for_source(st, &self.sources, client, exclude)
+        } else {
+            st.pick(exclude)
+        }
     }
 }
 
@@ -144,6 +156,8 @@ pub struct NodeOpts {
     pub health: HealthCfg,
     /// How long a disabled or removed service's connections may go on.
     pub service_drain: Duration,
+    /// SOURCEIP persistence: how long a client's entry lives without being used.
+    pub persistence_timeout: Duration,
 }
 
 impl Default for NodeOpts {
@@ -151,6 +165,7 @@ impl Default for NodeOpts {
         NodeOpts {
             health: HealthCfg::default(),
             service_drain: Duration::from_secs(30),
+            persistence_timeout: crate::persist::DEFAULT_TIMEOUT,
         }
     }
 }
@@ -281,6 +296,13 @@ impl Node {
                 Transport::Tcp
             };
             crate::scaleout::validate(v).map_err(Status::invalid_argument)?;
+            let p = crate::persist::parse(&v.persistence)
+                .map_err(|e| Status::invalid_argument(format!("vserver {}: {e}", v.name)))?;
+            if p == crate::persist::Persistence::Cookie && kind != Kind::Http {
+                // Refused at plan time; a configuration stored before that rule
+                // still deploys, without persistence.
+                tracing::warn!(vserver = %v.name, "COOKIE persistence needs an HTTP vserver: ignored");
+            }
             let key = (v.port as u16, t);
             if let Some((_, _, other)) = desired.iter().find(|(k, _, _)| *k == key) {
                 return Err(Status::invalid_argument(format!(
@@ -358,7 +380,11 @@ impl Node {
                 closing: self.drain.child_token(),
                 kill: self.kill.clone(),
                 node_hv: self.node_hv.clone(),
-                scaleout: Default::default(),
+                scaleout: crate::scaleout::Scaleout::new(self.opts.persistence_timeout),
+                sources: crate::persist::Table::new(
+                    self.opts.persistence_timeout,
+                    crate::persist::MAX_ENTRIES,
+                ),
             });
             vs.scaleout.update(&v.name, key.0, v.scaleout.as_ref());
             let task = match bound.remove(key) {
@@ -454,7 +480,10 @@ impl Node {
             })
             .collect();
         let services = self.ramps.configure(v, kind, services, self.uptime_ms());
+        // Validated in `configure`.
+        let persistence = crate::persist::parse(&v.persistence).unwrap_or_default();
         VsState::new(v.name.clone(), kind, method_of(v.lb_method), services)
+            .with_persistence(persistence)
     }
 
     /// Node uptime, ms: the clock of the slow-start model.

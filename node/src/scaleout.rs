@@ -32,6 +32,14 @@
 //!   itself (every vserver, scaled out or not; HTTP counts connections, not
 //!   requests).
 //!
+//! - **SOURCEIP persistence**: the primary keeps each client IP on the node it was
+//!   first routed to (itself or one secondary) while that node stays listed and
+//!   reachable, with the vserver's persistence timeout; a forwarded connection
+//!   starts with a PROXY protocol v2 header naming the client, which a SECONDARY
+//!   of a SOURCEIP vserver reads (waiting at most `persist::PROXY_WAIT` for a
+//!   connection's first bytes) so that its own table is keyed by the client, not
+//!   by the primary. See `crate::persist`.
+//!
 //! UDP vservers are scaled out the same way per flow (a client address): the
 //! primary relays a forwarded flow's datagrams to the secondary from its own
 //! address, both ways; an unreachable secondary cannot be detected at a flow's
@@ -42,17 +50,19 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use lbscale_proto::ScaleoutRole;
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::lb::Kind;
 use crate::metrics::ConnGuard;
 use crate::node::Vserver;
+use crate::persist::Persistence;
 
 /// How long the primary waits for a secondary to accept a forwarded connection.
 /// Secondaries sit in the same AZ: a slow connect means a sick node, and the
@@ -251,10 +261,15 @@ struct Inner {
 }
 
 /// The scale-out state of one vserver on this node; lives as long as its listener.
-#[derive(Default)]
 pub struct Scaleout {
     served: AtomicU64,
     inner: Mutex<Inner>,
+    /// This node is a SECONDARY of the vserver (it reads the PROXY header a
+    /// SOURCEIP primary sends).
+    secondary: AtomicBool,
+    /// SOURCEIP on a primary: client IP → the node it was routed to (None: the
+    /// primary itself, else the secondary's address).
+    affinity: crate::persist::Table<IpAddr, Option<String>>,
 }
 
 /// Rejects a scale-out that cannot be applied: negative or non-finite shares, a
@@ -293,10 +308,35 @@ pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), String> {
 }
 
 impl Scaleout {
+    /// `persistence_timeout`: how long a SOURCEIP client stays routed to one node
+    /// without a new connection.
+    pub fn new(persistence_timeout: Duration) -> Self {
+        Scaleout {
+            served: AtomicU64::new(0),
+            inner: Mutex::new(Inner::default()),
+            secondary: AtomicBool::new(false),
+            affinity: crate::persist::Table::new(persistence_timeout, crate::persist::MAX_ENTRIES),
+        }
+    }
+
+    /// Whether this node is a SECONDARY of the vserver.
+    pub fn is_secondary(&self) -> bool {
+        self.secondary.load(Ordering::Relaxed)
+    }
+
+    /// Forgets where a SOURCEIP client was routed (its secondary failed).
+    pub fn forget(&self, client: IpAddr) {
+        self.affinity.remove(client);
+    }
+
     /// Applies the vserver's scale-out settings (`None`: the vserver is on this node
     /// only, or is gone). Secondaries no longer listed start their scale-in.
     pub fn update(&self, vserver: &str, port: u16, cfg: Option<&lbscale_proto::Scaleout>) {
         let primary = cfg.filter(|c| c.role == ScaleoutRole::Primary as i32);
+        self.secondary.store(
+            cfg.is_some_and(|c| c.role == ScaleoutRole::Secondary as i32),
+            Ordering::Relaxed,
+        );
         let timeout = match cfg.map(|c| c.scalein_timeout_ms).unwrap_or(0) {
             0 => Duration::from_millis(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
             ms => Duration::from_millis(ms),
@@ -393,7 +433,11 @@ impl Scaleout {
     /// here: it is a joining secondary passing on what its services may not take
     /// yet under slow start (the primary is one of its ramp peers), and routing it
     /// by the shares again would send part of it back and forth.
-    pub fn route(&self, client: IpAddr) -> Route {
+    ///
+    /// `sticky` (SOURCEIP): a client goes to the node it went to last time (this
+    /// one or a secondary) while that node is still listed and reachable and the
+    /// entry has not expired; otherwise it is routed by the shares and remembered.
+    pub fn route(&self, client: IpAddr, sticky: bool) -> Route {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if inner
             .listed
@@ -403,6 +447,39 @@ impl Scaleout {
         {
             return Route::Local;
         }
+        if inner.smooth.is_none() {
+            return Route::Local;
+        }
+        if sticky {
+            let kept = self.affinity.get(client, |to| match to {
+                None => true,
+                Some(a) => inner
+                    .listed
+                    .iter()
+                    .any(|p| &p.address == a && p.available()),
+            });
+            match kept {
+                Some(None) => return Route::Local,
+                Some(Some(a)) => {
+                    if let Some(p) = inner.listed.iter().find(|p| p.address == a) {
+                        return Route::Forward(p.clone());
+                    }
+                }
+                None => {}
+            }
+        }
+        let route = self.route_by_shares(&mut inner);
+        if sticky {
+            let to = match &route {
+                Route::Local => None,
+                Route::Forward(p) => Some(p.address.clone()),
+            };
+            self.affinity.insert(client, to);
+        }
+        route
+    }
+
+    fn route_by_shares(&self, inner: &mut Inner) -> Route {
         let Some(i) = inner.smooth.as_mut().and_then(|s| s.pick()) else {
             return Route::Local;
         };
@@ -462,26 +539,61 @@ impl Drop for ActiveGuard {
 /// Handles one accepted connection of a TCP or HTTP vserver: forwards it to a
 /// secondary when this node is the vserver's primary and the plan says so, else
 /// serves it here.
+///
+/// SOURCEIP: the primary keeps a client on one node ([`Scaleout::route`]) and
+/// starts a forwarded connection with a PROXY protocol v2 header naming the
+/// client; a secondary of a SOURCEIP vserver reads that header (when there is
+/// one) and keys its persistence by the client it names.
 pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
-    let client = match vs.scaleout.route(from.ip()) {
+    let sticky = vs.state().persistence == Persistence::SourceIp;
+    let mut client = match vs.scaleout.route(from.ip(), sticky) {
         Route::Local => client,
-        Route::Forward(peer) => match forward(client, &vs, peer).await {
+        Route::Forward(peer) => match forward(client, from, &vs, peer, sticky).await {
             Ok(()) => return,
-            Err(client) => client,
+            Err(client) => {
+                vs.scaleout.forget(from.ip());
+                client
+            }
         },
     };
+    let mut source = from.ip();
+    if sticky && vs.scaleout.is_secondary() {
+        match crate::persist::read_proxy_header(&mut client).await {
+            Ok(Some(ip)) => source = ip,
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "bad PROXY header");
+                return;
+            }
+        }
+    }
     vs.scaleout.count_served();
     match vs.state().kind {
-        Kind::Http => crate::http::serve_conn(client, from, vs).await,
-        _ => crate::tcp::serve_conn(client, vs).await,
+        Kind::Http => crate::http::serve_conn(client, from, source, vs).await,
+        _ => crate::tcp::serve_conn(client, source, vs).await,
     }
 }
 
 /// Relays `client` to `peer` until either side closes, the scale-in timeout of a
 /// leaving secondary, or the end of a drain. Hands the client back when the
 /// secondary cannot be reached.
-async fn forward(client: TcpStream, vs: &Vserver, peer: Arc<Peer>) -> Result<(), TcpStream> {
-    let up = match tokio::time::timeout(PEER_CONNECT_TIMEOUT, peer.connect()).await {
+async fn forward(
+    client: TcpStream,
+    from: SocketAddr,
+    vs: &Vserver,
+    peer: Arc<Peer>,
+    proxy_header: bool,
+) -> Result<(), TcpStream> {
+    let connect = async {
+        let mut s = peer.connect().await?;
+        if proxy_header {
+            let dst = s.peer_addr()?;
+            s.write_all(&crate::persist::proxy_header(from, dst))
+                .await?;
+        }
+        Ok::<_, io::Error>(s)
+    };
+    let up = match tokio::time::timeout(PEER_CONNECT_TIMEOUT, connect).await {
         Ok(Ok(s)) => s,
         r => {
             let error = match r {

@@ -1,6 +1,7 @@
 //! L4 TCP relay (vservers of type TCP, and the nlb forwarder).
 
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -66,12 +67,13 @@ pub async fn relay_for(client: TcpStream, backend: TcpStream, rt: Option<Arc<Ser
 }
 
 /// Serves one TCP vserver connection: pick a service (trying the next ones if a
-/// connection is refused), then relay until done or the node is killed.
-pub async fn serve_conn(client: TcpStream, vs: Arc<Vserver>) {
+/// connection is refused), then relay until done or the node is killed. `source`
+/// is the SOURCEIP persistence key (the client's address).
+pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     let _g = ConnGuard::new();
     let _ = client.set_nodelay(true);
     let st = vs.state();
-    let Some(mut idx) = st.pick(None) else {
+    let Some(mut idx) = vs.pick_for(&st, source, None) else {
         return;
     };
     let attempts = st.services.len();
@@ -87,7 +89,7 @@ pub async fn serve_conn(client: TcpStream, vs: Arc<Vserver>) {
             }
             Err(e) => {
                 tracing::debug!(service = %rt.name, error = %e, "backend connect failed");
-                match st.pick(Some(idx)) {
+                match vs.pick_for(&st, source, Some(idx)) {
                     Some(j) => idx = j,
                     None => break,
                 }

@@ -67,7 +67,8 @@ async fn open_flow(
     ip: IpAddr,
     client: SocketAddr,
 ) -> Option<Arc<Flow>> {
-    let forward = match vs.scaleout.route(client.ip()) {
+    let sticky = vs.state().persistence == crate::persist::Persistence::SourceIp;
+    let forward = match vs.scaleout.route(client.ip(), sticky) {
         crate::scaleout::Route::Forward(p) => match p.resolve().await {
             Ok(a) => Some((p, a)),
             Err(e) => {
@@ -81,7 +82,7 @@ async fn open_flow(
         return open_forwarded_flow(sock, vs, ip, client, peer, target).await;
     }
     let st = vs.state();
-    let idx = st.pick(None)?;
+    let idx = vs.pick_for(&st, client.ip(), None)?;
     let rt = st.services[idx].rt.clone();
     let target = match rt.addr {
         Some(a) => a,

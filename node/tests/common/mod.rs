@@ -261,7 +261,20 @@ impl HttpResp {
 
 /// Sends one GET on `s` and reads the response (Content-Length framing).
 pub async fn http_request(s: &mut TcpStream, path: &str) -> std::io::Result<HttpResp> {
-    let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n");
+    http_request_with(s, path, &[]).await
+}
+
+/// Like [`http_request`], with extra request headers.
+pub async fn http_request_with(
+    s: &mut TcpStream,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> std::io::Result<HttpResp> {
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: test\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
     s.write_all(req.as_bytes()).await?;
     let mut buf = Vec::new();
     let mut tmp = [0u8; 65536];

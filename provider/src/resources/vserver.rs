@@ -5,8 +5,8 @@ use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{
-    Finding, Findings, PathStep, ServiceSpec, SlowStartSpec, VserverSpec, LB_METHODS, PERSISTENCE,
-    SERVICE_TYPES, SLOW_START_UNITS,
+    check_vserver_persistence, Finding, Findings, PathStep, ServiceSpec, SlowStartSpec,
+    VserverSpec, LB_METHODS, PERSISTENCE, SERVICE_TYPES, SLOW_START_UNITS,
 };
 use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
@@ -219,6 +219,9 @@ impl ManagedObject for Vserver {
                 p,
                 PERSISTENCE,
             );
+            if let Some(t) = known(&s.service_type) {
+                check_vserver_persistence(&mut f, t, p);
+            }
         }
         if let Some(services) = known(&s.service) {
             for (i, svc) in services.iter().enumerate() {

@@ -131,6 +131,14 @@ resource "lbscale_vserver" "v" {
     increment_interval  = 5000 # interval
   }
 }
+
+resource "lbscale_vserver" "cookie" {
+  name         = "cookie"
+  se_group_id  = "seg-x"
+  service_type = "TCP"
+  port         = 8443
+  persistence  = "COOKIE" # cookie
+}
 "#,
     );
     // RUST_BACKTRACE=1 as on many users' machines: diagnostics must stay clean.
@@ -157,6 +165,7 @@ resource "lbscale_vserver" "v" {
             ("# port", "port must be between 1 and 65535, got 70000"),
             ("# lb_method", "lb_method must be one of \"ROUNDROBIN\", \"LEASTCONNECTION\""),
             ("# persistence", "persistence must be one of \"NONE\", \"COOKIE\", \"SOURCEIP\", got \"SESSION\""),
+            ("# cookie", "COOKIE persistence needs an HTTP vserver: a TCP vserver has no HTTP headers"),
             ("# weight", "service.weight must be between 1 and 100, got 0"),
             ("# unit", "slow_start.unit must be one of \"PER_SECOND\", \"PERCENT\", got \"PER_MINUTE\""),
             ("# interval", "slow_start.increment_interval must be between 0 and 3600, got 5000"),
