@@ -243,6 +243,64 @@ pub fn nodes_for_load(
     }
 }
 
+/// The CPU utilisation, in percent, at which a vserver's nodes are "out of CPU"
+/// when the group sets no `cpu` threshold.
+pub const DEFAULT_SPAN_TARGET_CPU: f64 = 80.0;
+
+/// A span shrinks only when the load would fit in fewer nodes at this fraction
+/// of the target: a span that just grew does not shrink back at the next sample.
+pub const SPAN_SHRINK_MARGIN: f64 = 0.8;
+
+/// How many nodes a vserver should span, from the CPU of the nodes that hold it
+/// now (`holders_cpu`, percent, primary first) and the utilisation they should
+/// stay under (`target_cpu`, percent), within `[min_scaleout, max_scaleout]`.
+///
+/// The plan's shares equalise CPU across the holders, so their mean utilisation
+/// `u` carries `u × capacity(n)` of load (in units of one node's capacity). The
+/// span grows to the fewest nodes that carry that load at `target_cpu`, and
+/// shrinks only to a span that carries it at [`SPAN_SHRINK_MARGIN`] of it. No
+/// holder measured: the span stays (clamped to the bounds).
+pub fn span_for_cpu(
+    params: &PlanParams,
+    holders_cpu: &[f64],
+    target_cpu: f64,
+    min_scaleout: u32,
+    max_scaleout: u32,
+) -> NodesNeeded {
+    let lo = min_scaleout.max(1);
+    let hi = max_scaleout.max(lo);
+    let current = (holders_cpu.len() as u32).clamp(lo, hi);
+    if holders_cpu.is_empty() || target_cpu.is_nan() || target_cpu <= 0.0 {
+        return NodesNeeded {
+            nodes: current,
+            capacity: plan(params, current).capacity,
+            saturated: false,
+        };
+    }
+    let n = holders_cpu.len() as u32;
+    let utilisation =
+        holders_cpu.iter().map(|c| c.clamp(0.0, 100.0)).sum::<f64>() / 100.0 / n as f64;
+    let load = utilisation * plan(params, n).capacity;
+    let grow = nodes_for_load(params, load / (target_cpu / 100.0), lo, hi);
+    if grow.nodes > current || grow.saturated {
+        return grow;
+    }
+    let shrink = nodes_for_load(
+        params,
+        load / (SPAN_SHRINK_MARGIN * target_cpu / 100.0),
+        lo,
+        hi,
+    );
+    if shrink.nodes < current {
+        return shrink;
+    }
+    NodesNeeded {
+        nodes: current,
+        capacity: plan(params, current).capacity,
+        saturated: false,
+    }
+}
+
 /// Where packets of the leaving secondary's remaining flows go once it has closed them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -338,6 +396,39 @@ mod tests {
         let shares = plan(&p, 4).shares;
         assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-12);
         assert!((shares[1] - 0.5 / 1.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_span_follows_the_cpu_of_its_holders() {
+        let native = PlanParams::default();
+        // One primary at 95 % of its CPU, target 80 %: load 0.95 needs 1.19
+        // nodes' worth at 80 %: two nodes (capacity 1.7).
+        let d = span_for_cpu(&native, &[95.0], 80.0, 1, 4);
+        assert_eq!((d.nodes, d.saturated), (2, false));
+        // Two holders at 50 %: load 0.85 of 1.7; fits in one node at 80 %? 1.06
+        // needed: no, stays at 2. At 30 %: load 0.51, one node at 64 % (the
+        // shrink margin): 0.80 needed, fits: back to 1.
+        assert_eq!(span_for_cpu(&native, &[50.0, 50.0], 80.0, 1, 4).nodes, 2);
+        assert_eq!(span_for_cpu(&native, &[30.0, 30.0], 80.0, 1, 4).nodes, 1);
+        // Between the grow and the shrink points the span holds: 45 % on one node
+        // is below 80 %, 2 nodes at 45 % carry 0.765, one node would be at 76 %,
+        // above the 64 % margin: stays at 2.
+        assert_eq!(span_for_cpu(&native, &[45.0, 45.0], 80.0, 1, 4).nodes, 2);
+        // Bounds: never under min, never over max; saturated when max is not enough.
+        assert_eq!(span_for_cpu(&native, &[1.0], 80.0, 2, 4).nodes, 2);
+        let full = span_for_cpu(&native, &[100.0, 100.0, 100.0, 100.0], 80.0, 1, 4);
+        assert_eq!((full.nodes, full.saturated), (4, true));
+        // Nothing measured: the span stays as it is.
+        assert_eq!(span_for_cpu(&native, &[], 80.0, 1, 4).nodes, 1);
+        // bgp scales linearly: 3 holders at 100 % -> 3.75 nodes at 80 % -> 4.
+        let bgp = PlanParams {
+            mode: ScalingMode::Bgp,
+            ..PlanParams::default()
+        };
+        assert_eq!(
+            span_for_cpu(&bgp, &[100.0, 100.0, 100.0], 80.0, 1, 8).nodes,
+            4
+        );
     }
 
     #[test]

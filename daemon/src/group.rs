@@ -1,6 +1,6 @@
 //! One group's evaluation: sample, step the policy per AZ, run the workflow.
 
-use crate::metrics::{AzStatus, GroupStatus, RampingService, ResumeWait, SampleOut};
+use crate::metrics::{AzStatus, GroupStatus, RampingService, ResumeWait, SampleOut, VserverSpan};
 use crate::resume::{restore_az_state, wait_ends_at, ResumeBackoff};
 use crate::Shared;
 use lbscale_core::duration::{format_as_seconds, parse_duration};
@@ -10,7 +10,7 @@ use lbscale_core::policy::{
 };
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::nodeapi::NodeClient;
-use lbscale_engine::reconcile::{GroupView, KeptLease};
+use lbscale_engine::reconcile::{GroupView, KeptLease, SpanView};
 use lbscale_engine::store::{
     daemon_claim_key, now_ms, NodeRow, NodeState, PolicyStateRow, Row, Store, StoreError,
 };
@@ -482,6 +482,19 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
         .collect();
     let answers = sample_nodes(&mut rt.clients, &targets, &token).await;
     shared.metrics.evaluated();
+    let span_views = match shared.engine.vserver_spans(&id) {
+        Ok(v) => v,
+        Err(e) => {
+            return fail(
+                &shared,
+                &id,
+                name,
+                "read the vservers' spans",
+                e.to_string(),
+            )
+        }
+    };
+    let span_target = span_target_cpu(spec);
 
     // Forget AZs that the group no longer declares.
     rt.azs
@@ -647,7 +660,28 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
                 shared.metrics.set_az(name, az, &by_state, sample.as_ref());
             }
         }
-        statuses.push(az_status(az, &azrt.state, by_state, sample, slow_start));
+        // A vserver's span follows its holders' CPU: only while the AZ's own
+        // scaling is idle, so that one evaluation changes one thing.
+        let may_resize = !ran_workflow && matches!(azrt.state.phase, Phase::Evaluating { .. });
+        let spans = size_spans(
+            &shared,
+            &id,
+            name,
+            az,
+            &span_views,
+            &answers,
+            span_target,
+            may_resize,
+        )
+        .await;
+        statuses.push(az_status(
+            az,
+            &azrt.state,
+            by_state,
+            sample,
+            slow_start,
+            spans,
+        ));
     }
     shared.update_status(&id, |s| {
         s.owner = "self".into();
@@ -689,6 +723,7 @@ fn az_status(
     nodes: BTreeMap<String, u64>,
     sample: Option<SampleOut>,
     slow_start: Vec<RampingService>,
+    vserver_spans: Vec<VserverSpan>,
 ) -> AzStatus {
     AzStatus {
         az: az.to_string(),
@@ -704,7 +739,86 @@ fn az_status(
         in_streak: state.in_streak,
         wait_until_ms: wait_ends_at(&state.phase),
         slow_start,
+        vserver_spans,
     }
+}
+
+/// The CPU, percent, under which a vserver's holders should stay: the group's
+/// `cpu` threshold max (where the group itself would scale out), else
+/// [`lbscale_core::seplan::DEFAULT_SPAN_TARGET_CPU`].
+fn span_target_cpu(spec: &GroupSpec) -> f64 {
+    spec.thresholds
+        .iter()
+        .find(|t| t.metric == "cpu")
+        .map(|t| t.max)
+        .unwrap_or(lbscale_core::seplan::DEFAULT_SPAN_TARGET_CPU)
+}
+
+/// Sizes each vserver's span in `az` from the CPU its holders reported
+/// (`lbscale_core::seplan::span_for_cpu`) and, when `may_resize`, applies a new
+/// one through the engine (an event says why). A vserver whose holders did not
+/// all answer keeps its span.
+#[allow(clippy::too_many_arguments)]
+async fn size_spans(
+    shared: &Shared,
+    group_id: &str,
+    name: &str,
+    az: &str,
+    views: &[SpanView],
+    answers: &HashMap<String, NodeStats>,
+    target_cpu: f64,
+    may_resize: bool,
+) -> Vec<VserverSpan> {
+    let mut out = Vec::new();
+    for v in views.iter().filter(|v| v.az == az) {
+        let cpus: Option<Vec<f64>> = v
+            .holders
+            .iter()
+            .map(|h| answers.get(h).map(|s| s.cpu_percent))
+            .collect();
+        let cpus = cpus.filter(|c| !c.is_empty());
+        let mean = cpus
+            .as_ref()
+            .map(|c| c.iter().sum::<f64>() / c.len() as f64);
+        let mut span = v.span;
+        if let (true, Some(cpus)) = (may_resize, &cpus) {
+            let want = lbscale_core::seplan::span_for_cpu(&v.plan, cpus, target_cpu, v.min, v.max);
+            if want.nodes != v.span {
+                let reason = format!(
+                    "vserver {}: span {} -> {} node(s): its {} holder(s) at {:.1} % CPU on average, target {:.0} %{}",
+                    v.vserver,
+                    v.span,
+                    want.nodes,
+                    cpus.len(),
+                    mean.unwrap_or(0.0),
+                    target_cpu,
+                    if want.saturated { " (max_scaleout_per_vs reached: saturated)" } else { "" }
+                );
+                match shared
+                    .engine
+                    .set_vserver_span(group_id, &v.vserver_id, az, want.nodes, &reason)
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::info!(group = %name, az = %az, vserver = %v.vserver, from = v.span, to = want.nodes, %reason, "vserver span changed");
+                        span = want.nodes;
+                    }
+                    Err(e) => {
+                        tracing::warn!(group = %name, az = %az, vserver = %v.vserver, error = %e, "could not change the vserver's span");
+                    }
+                }
+            }
+        }
+        out.push(VserverSpan {
+            vserver: v.vserver.clone(),
+            span,
+            min: v.min,
+            max: v.max,
+            holders: v.holders.clone(),
+            cpu: mean,
+        });
+    }
+    out
 }
 
 /// How long this daemon's claim on a group lasts between evaluations: another

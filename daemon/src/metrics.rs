@@ -243,6 +243,22 @@ pub struct AzStatus {
     /// node that joined ramps its services against the older nodes, and a service
     /// back UP ramps again.
     pub slow_start: Vec<RampingService>,
+    /// Behind an `nlb`: how many nodes each vserver spans, as sized from the CPU
+    /// of the nodes that hold it.
+    pub vserver_spans: Vec<VserverSpan>,
+}
+
+/// One vserver's span in an AZ.
+#[derive(Debug, Clone, Serialize)]
+pub struct VserverSpan {
+    pub vserver: String,
+    pub span: u32,
+    pub min: u32,
+    pub max: u32,
+    /// The nodes that held it at this evaluation, the primary first.
+    pub holders: Vec<String>,
+    /// Their mean CPU, percent (absent when one did not answer).
+    pub cpu: Option<f64>,
 }
 
 /// A service in slow start on one node.

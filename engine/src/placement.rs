@@ -3,12 +3,15 @@
 //! Pure: from the AZ's nodes and the SE group's settings to the scale-out role of
 //! every node and the targets the `nlb` distributor sends each port to.
 //!
-//! * A vserver is held by the AZ's oldest `max_scaleout_per_vs` member nodes
-//!   (join order); the oldest is its primary. Every node of the group still runs
-//!   every vserver (a node reached directly serves it), but only the holders get
-//!   its traffic from the distributor.
-//! * `native`: the distributor sends the port to the primary (the other holders
-//!   only if it does not accept connections); the primary serves its own share and
+//! * A vserver is held by the AZ's oldest `span` member nodes (join order); the
+//!   oldest is its primary. The span is what the daemon sized from the holders'
+//!   CPU (`lbscale_core::seplan::span_for_cpu`), between `min_scaleout_per_vs`
+//!   and `max_scaleout_per_vs`; `min_scaleout_per_vs` until it has. Every node of
+//!   the group still runs every vserver (a node reached directly serves it), but
+//!   only the holders get its traffic from the distributor.
+//! * `native`: the distributor sends the port to the primary (the other nodes,
+//!   in join order, only if it does not accept connections); the primary serves
+//!   its own share and
 //!   forwards the others to the secondaries with the CPU-equalising shares of
 //!   `lbscale_core::seplan`.
 //! * `bgp`: the distributor spreads flows over every holder by a flow hash (the
@@ -19,9 +22,9 @@
 //! * Behind a `dns` distributor clients reach every node directly, so there is no
 //!   primary in the path: no roles, and DNS does the spreading.
 //!
-//! How many nodes a vserver spans does not follow its load yet (seplan's
-//! `nodes_for_load` between min and max_scaleout_per_vs): it spans as many as the
-//! AZ has, up to `max_scaleout_per_vs`, and the group's own scaling adds nodes.
+//! Adding an existing node to a vserver (a larger span) takes one configuration
+//! push; when every node of the AZ holds it and they run hot, the group's own
+//! scaling adds nodes.
 
 use crate::cloud::Balance;
 use lbscale_core::seplan::{self, PlanParams, ScalingMode, DEFAULT_ECMP_PATHS};
@@ -30,7 +33,8 @@ use lbscale_core::seplan::{self, PlanParams, ScalingMode, DEFAULT_ECMP_PATHS};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SeSettings {
     pub mode: ScalingMode,
-    pub max_scaleout_per_vs: u32,
+    /// How many nodes hold the vserver (at most the AZ's).
+    pub span: u32,
     pub forwarding_cost: f64,
     pub scalein_timeout_ms: u64,
 }
@@ -61,9 +65,7 @@ pub struct AzPlacement {
 
 /// Places a vserver on `nodes`: the AZ's member nodes' addresses, oldest first.
 pub fn place(settings: &SeSettings, nodes: &[String]) -> AzPlacement {
-    let span = nodes
-        .len()
-        .min(settings.max_scaleout_per_vs.max(1) as usize);
+    let span = nodes.len().min(settings.span.max(1) as usize);
     let holders = &nodes[..span];
     if holders.is_empty() {
         return AzPlacement::default();
@@ -77,10 +79,10 @@ pub fn place(settings: &SeSettings, nodes: &[String]) -> AzPlacement {
         },
         ScalingMode::Native => AzPlacement {
             roles: native_roles(settings, holders),
-            // The primary; the other holders only if it does not accept (it
+            // The primary; the other nodes only if it does not accept (it
             // died): they serve what reaches them until the engine moves the
             // primary.
-            targets: holders.to_vec(),
+            targets: nodes.to_vec(),
             balance: Balance::First,
             scalein_timeout_ms: settings.scalein_timeout_ms,
         },
@@ -141,10 +143,10 @@ mod tests {
         (1..=n).map(|i| format!("127.0.0.{i}")).collect()
     }
 
-    fn settings(mode: ScalingMode, max: u32) -> SeSettings {
+    fn settings(mode: ScalingMode, span: u32) -> SeSettings {
         SeSettings {
             mode,
-            max_scaleout_per_vs: max,
+            span,
             forwarding_cost: 0.3,
             scalein_timeout_ms: 30_000,
         }
@@ -174,9 +176,13 @@ mod tests {
     }
 
     #[test]
-    fn the_span_stops_at_max_scaleout_per_vs() {
+    fn only_the_span_holds_the_vserver() {
         let p = place(&settings(ScalingMode::Native, 2), &nodes(5));
         assert_eq!(p.roles.len(), 2);
+        // The other nodes stand behind the primary, should it not answer.
+        assert_eq!(p.targets, nodes(5));
+        let p = place(&settings(ScalingMode::Native, 1), &nodes(3));
+        assert!(p.roles.is_empty(), "a span of one forwards nothing");
         let p = place(&settings(ScalingMode::Bgp, 3), &nodes(5));
         assert_eq!(p.targets, nodes(3));
         assert!(p.balance == Balance::FlowHash && p.roles.is_empty());

@@ -65,6 +65,21 @@ pub struct NodeView {
     pub serving: bool,
 }
 
+/// One vserver in one AZ behind an `nlb`: the nodes that hold it now and what
+/// its span may be, for the daemon to size it from their CPU.
+#[derive(Debug, Clone)]
+pub struct SpanView {
+    pub vserver_id: String,
+    pub vserver: String,
+    pub az: String,
+    /// Node ids, the primary first; as many as the span (or the AZ has).
+    pub holders: Vec<String>,
+    pub span: u32,
+    pub min: u32,
+    pub max: u32,
+    pub plan: lbscale_core::seplan::PlanParams,
+}
+
 #[derive(Debug, Clone)]
 pub struct GroupView {
     pub id: String,
@@ -1356,15 +1371,20 @@ impl Engine {
             let Some(se) = se_groups.get(&v.spec.se_group_id) else {
                 continue;
             };
-            let settings = placement::SeSettings {
-                mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
-                max_scaleout_per_vs: se.max_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32,
-                forwarding_cost: se.primary_forwarding_cost,
-                scalein_timeout_ms: parse_duration(&se.vs_scalein_timeout)
-                    .map(|d| d.as_millis() as u64)
-                    .unwrap_or(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
-            };
+            let (min, max) = span_bounds(se);
             for az in &group.spec.availability_zones {
+                let settings = placement::SeSettings {
+                    mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
+                    span: self
+                        .store
+                        .vserver_span(&v.id, az)?
+                        .unwrap_or(min)
+                        .clamp(min, max),
+                    forwarding_cost: se.primary_forwarding_cost,
+                    scalein_timeout_ms: parse_duration(&se.vs_scalein_timeout)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
+                };
                 let mut in_az: Vec<&&NodeRow> = nodes.iter().filter(|n| &n.az == az).collect();
                 in_az.sort_by_key(|n| n.seq);
                 let addresses: Vec<String> = in_az.iter().map(|n| n.private_ip.clone()).collect();
@@ -1375,6 +1395,81 @@ impl Engine {
             }
         }
         Ok(out)
+    }
+
+    /// Every vserver of the group in every AZ behind an `nlb` distributor, with
+    /// the nodes that hold it (what [`Engine::placements`] places over). Empty
+    /// behind `dns`: clients reach every node, there is no span to size.
+    pub fn vserver_spans(&self, group_id: &str) -> Result<Vec<SpanView>> {
+        let mut out = Vec::new();
+        let Some(group) = self.store.group(group_id)? else {
+            return Ok(out);
+        };
+        let nlb = self
+            .store
+            .distributor(&group.spec.traffic_distributor_id)?
+            .is_some_and(|d| d.spec.mode == "nlb");
+        if !nlb {
+            return Ok(out);
+        }
+        let mut members: Vec<NodeRow> = self
+            .store
+            .nodes_of_group(group_id)?
+            .into_iter()
+            .filter(|n| n.state.is_member())
+            .collect();
+        members.sort_by_key(|n| n.seq);
+        for se in self.store.se_groups_of_group(group_id)? {
+            let (min, max) = span_bounds(&se.spec);
+            let plan = lbscale_core::seplan::PlanParams {
+                mode: ScalingMode::parse(&se.spec.scaling_mode).unwrap_or(ScalingMode::Native),
+                forwarding_cost: se.spec.primary_forwarding_cost,
+                ..Default::default()
+            };
+            for v in self.store.vservers_of_se_group(&se.id)? {
+                for az in &group.spec.availability_zones {
+                    let span = self
+                        .store
+                        .vserver_span(&v.id, az)?
+                        .unwrap_or(min)
+                        .clamp(min, max);
+                    let holders = members
+                        .iter()
+                        .filter(|n| &n.az == az)
+                        .take(span as usize)
+                        .map(|n| n.id.clone())
+                        .collect();
+                    out.push(SpanView {
+                        vserver_id: v.id.clone(),
+                        vserver: v.spec.name.clone(),
+                        az: az.clone(),
+                        holders,
+                        span,
+                        min,
+                        max,
+                        plan,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets how many nodes of `az` hold the vserver, records why, and pushes the
+    /// new roles and shares to the nodes and the new targets to the distributor
+    /// (adding an existing node to a vserver takes one push, not a new node).
+    pub async fn set_vserver_span(
+        &self,
+        group_id: &str,
+        vserver_id: &str,
+        az: &str,
+        span: u32,
+        reason: &str,
+    ) -> Result<()> {
+        self.store.set_vserver_span(vserver_id, az, span)?;
+        self.store
+            .record_event(group_id, Some(az), "vserver_span", reason)?;
+        self.redeploy(Some(group_id.to_string())).await
     }
 
     /// Active nodes of the group whose last pushed configuration is not the one
@@ -1540,6 +1635,7 @@ impl Engine {
             .await?;
         }
         let placement_changed = old.spec.scaling_mode != spec.scaling_mode
+            || old.spec.min_scaleout_per_vs != spec.min_scaleout_per_vs
             || old.spec.max_scaleout_per_vs != spec.max_scaleout_per_vs
             || old.spec.primary_forwarding_cost != spec.primary_forwarding_cost
             || old.spec.vs_scalein_timeout != spec.vs_scalein_timeout;
@@ -1700,6 +1796,13 @@ const CONFIG_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Identifies what a node was sent (ramp peers aside: they matter only while it
 /// joins), so that a node is reconfigured exactly when its configuration changes.
+/// `min_scaleout_per_vs` .. `max_scaleout_per_vs`, at least one node.
+fn span_bounds(se: &SeGroupSpec) -> (u32, u32) {
+    let min = se.min_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32;
+    let max = (se.max_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32).max(min);
+    (min, max)
+}
+
 fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
     use prost::Message;
     let mut c = config.clone();

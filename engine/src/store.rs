@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -68,6 +68,13 @@ const MIGRATIONS: &[&str] = &[
         group_id TEXT NOT NULL, az TEXT NOT NULL, state TEXT NOT NULL,
         holder TEXT NOT NULL, fence INTEGER NOT NULL, updated_at INTEGER NOT NULL,
         PRIMARY KEY (group_id, az));
+    "#,
+    // 2 -> 3: how many nodes each vserver spans in each AZ, as the daemon sized
+    // it from the CPU of the nodes that hold it (none: `min_scaleout_per_vs`).
+    r#"
+    CREATE TABLE vserver_spans (
+        vserver_id TEXT NOT NULL, az TEXT NOT NULL, span INTEGER NOT NULL,
+        PRIMARY KEY (vserver_id, az));
     "#,
 ];
 
@@ -894,8 +901,35 @@ impl Store {
     pub fn vservers_of_se_group(&self, se_group_id: &str) -> Result<Vec<Row<VserverSpec>>> {
         self.list_by("vserver", "se_group_id", se_group_id)
     }
+    /// Deletes the vserver and the spans chosen for it.
     pub fn delete_vserver(&self, id: &str) -> Result<()> {
-        self.delete_row("vserver", id)
+        self.tx(|tx| {
+            tx.execute("DELETE FROM vserver_spans WHERE vserver_id = ?1", vals![id])?;
+            tx.execute("DELETE FROM vservers WHERE id = ?1", vals![id])?;
+            Ok(())
+        })
+    }
+    /// How many nodes of `az` hold the vserver, as last sized (None: never).
+    pub fn vserver_span(&self, vserver_id: &str, az: &str) -> Result<Option<u32>> {
+        self.with(|c| {
+            c.one(
+                "SELECT span FROM vserver_spans WHERE vserver_id = ?1 AND az = ?2",
+                vals![vserver_id, az],
+            )?
+            .map(|r| r.int(0))
+            .transpose()
+        })
+        .map(|v| v.map(|s| s.clamp(1, i64::from(u32::MAX)) as u32))
+    }
+    pub fn set_vserver_span(&self, vserver_id: &str, az: &str, span: u32) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO vserver_spans (vserver_id, az, span) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (vserver_id, az) DO UPDATE SET span = excluded.span",
+                vals![vserver_id, az, i64::from(span)],
+            )
+        })?;
+        Ok(())
     }
     /// Every vserver placed on the group, through its SE groups.
     pub fn vservers_of_group(&self, group_id: &str) -> Result<Vec<Row<VserverSpec>>> {
@@ -1171,6 +1205,7 @@ impl Store {
             "events",
             "leases",
             "policy_state",
+            "vserver_spans",
         ];
         if !TABLES.contains(&table) {
             return Err(StoreError::Sql(format!("no table {table:?}")));

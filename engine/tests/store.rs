@@ -7,7 +7,7 @@
 
 use lbscale_core::policy::{AzState, Phase};
 use lbscale_engine::model::GroupSpec;
-use lbscale_engine::store::{daemon_claim_key, Store, StoreError};
+use lbscale_engine::store::{daemon_claim_key, Store, StoreError, SCHEMA_VERSION};
 use lbscale_engine::store_test;
 use std::time::Duration;
 
@@ -152,7 +152,7 @@ store_test!(
         }
         // Back to what version 1 wrote: no policy_state table.
         ts.raw(
-            "DROP TABLE policy_state; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
+            "DROP TABLE policy_state; DROP TABLE vserver_spans; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert!(
@@ -167,9 +167,8 @@ store_test!(
         let s = ts.open();
         assert_eq!(s.policy_states("g1").unwrap()[0].state, cooling(9));
         assert_eq!(
-            ts.raw_text("SELECT value FROM meta WHERE key = 'schema_version'")
-                .as_deref(),
-            Some("2")
+            ts.raw_text("SELECT value FROM meta WHERE key = 'schema_version'"),
+            Some(SCHEMA_VERSION.to_string())
         );
     }
 );
@@ -202,5 +201,23 @@ store_test!(
             Err(StoreError::LeaseLost { .. })
         ));
         assert_eq!(a.policy_states("g1").unwrap()[0].state, cooling(7));
+    }
+);
+
+// The daemon's span of a vserver per AZ: set, overwritten, gone with the vserver.
+store_test!(
+    a_vserver_span_is_kept_per_az_and_goes_with_the_vserver,
+    |ts| {
+        let s = ts.open();
+        assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), None);
+        s.set_vserver_span("vs-1", "az1", 2).unwrap();
+        s.set_vserver_span("vs-1", "az2", 3).unwrap();
+        s.set_vserver_span("vs-1", "az1", 4).unwrap();
+        drop(s);
+        let s = ts.open();
+        assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(4));
+        assert_eq!(s.vserver_span("vs-1", "az2").unwrap(), Some(3));
+        s.delete_vserver("vs-1").unwrap();
+        assert_eq!(s.count_rows("vserver_spans").unwrap(), 0);
     }
 );

@@ -329,6 +329,7 @@ provider "lbscale" {{{}
             "addresses",
             "group_secrets",
             "policy_state",
+            "vserver_spans",
         ] {
             let n = store.count_rows(table).unwrap();
             assert_eq!(n, 0, "{n} row(s) left in {table} after destroy");

@@ -395,3 +395,143 @@ fn a_second_daemon_leaves_a_group_to_the_first_and_takes_over_when_it_dies() {
     ws.destroy();
     ws.assert_nothing_left(&[]);
 }
+
+/// Behind an `nlb`, the daemon sizes a vserver's span from the CPU of the nodes
+/// that hold it: at min_scaleout_per_vs (1) while idle, grown to a second node
+/// when the primary's CPU passes the group's `cpu` max under load, shrunk back
+/// when the load stops. The group itself cannot scale (min = max = 2 nodes), so
+/// what moves is which nodes serve the vserver, not how many nodes exist.
+#[test]
+fn a_vserver_span_follows_the_cpu_of_its_holders() {
+    let backend = big_backend();
+    let mut ws = Workspace::new("daemon-span", 127);
+    ws.write(&format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name = "dspan-nlb"
+  cloud = "local"
+  mode  = "nlb"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "dspan"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 2
+  max_nodes              = 2
+  stats_interval         = "1s"
+  watch_time             = "2s"
+  threshold {{
+    metric = "cpu"
+    min    = 0
+    max    = {SPAN_CPU}
+  }}
+}}
+
+resource "lbscale_se_group" "s" {{
+  name               = "dspan-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}}
+
+resource "lbscale_vserver" "web" {{
+  name         = "dspan-web"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  service {{
+    name    = "big"
+    address = "127.0.0.1"
+    port    = {backend}
+  }}
+}}
+
+output "address" {{ value = lbscale_traffic_distributor.d.address }}
+"#
+    ));
+    ws.apply();
+    let vip = ws.outputs()["address"]["value"]["az1"]
+        .as_str()
+        .expect("a VIP for az1")
+        .to_string();
+    let daemon = Daemon::start(&ws, 19476, "span");
+    let span = |d: &Daemon| -> Option<(u64, Option<f64>)> {
+        let g = d.group("dspan");
+        let s = g["azs"][0]["vserver_spans"]
+            .as_array()?
+            .iter()
+            .find(|s| s["vserver"] == "dspan-web")?
+            .clone();
+        Some((s["span"].as_u64()?, s["cpu"].as_f64()))
+    };
+    wait_for(
+        "the daemon to report the span",
+        Duration::from_secs(15),
+        || span(&daemon).filter(|(_, cpu)| cpu.is_some()),
+    );
+    // Idle: a few evaluations at a span of one.
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_secs(1));
+        let (s, cpu) = span(&daemon).unwrap();
+        assert_eq!(
+            s, 1,
+            "idle, the span stays at min_scaleout_per_vs (CPU {cpu:?})"
+        );
+    }
+
+    // Two load generators (about 200 requests/s of 64 KiB): several times the
+    // target on the primary, while an idle node stays at 0-1 %.
+    let load = Load::start(&vip, "dspan.lbscale.test");
+    let load2 = Load::start(&vip, "dspan.lbscale.test");
+    let (_, cpu) = wait_for(
+        "the span to grow under load",
+        Duration::from_secs(40),
+        || span(&daemon).filter(|(s, _)| *s == 2),
+    );
+    eprintln!("MEASURE span 1 -> 2 at the holders' mean CPU {cpu:?} % (target {SPAN_CPU} %)");
+    let ev = events(&ws, "dspan");
+    let grown = ev
+        .iter()
+        .find(|e| e.kind == "vserver_span")
+        .expect("a vserver_span event");
+    assert!(
+        grown.reason.contains("span 1 -> 2") && grown.reason.contains("% CPU"),
+        "the event says what changed and why: {}",
+        grown.reason
+    );
+    // The second node now serves the vserver: the primary forwards to it.
+    let group_id = ws.resource("lbscale_autoscale_group.g")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut nodes = ws.store().nodes_of_group(&group_id).unwrap();
+    nodes.sort_by_key(|n| n.seq);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    wait_for(
+        "the primary to forward to its new secondary",
+        Duration::from_secs(10),
+        || {
+            let stats = rt.block_on(ws.node_stats(&nodes[0]));
+            stats
+                .forwarded
+                .iter()
+                .any(|f| f.peer.starts_with(&nodes[1].private_ip) && f.connections_total > 0)
+                .then_some(())
+        },
+    );
+    assert!(load.stop() + load2.stop() > 0, "the load got answers");
+
+    wait_for(
+        "the span to shrink when idle",
+        Duration::from_secs(40),
+        || span(&daemon).filter(|(s, _)| *s == 1),
+    );
+    ws.assert_plan_empty("after the span changes");
+    daemon.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
+
+/// The `cpu` max of the span test's group, percent: above what an idle node
+/// uses, below what the load generator costs the primary.
+const SPAN_CPU: u32 = 5;

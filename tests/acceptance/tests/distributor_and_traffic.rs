@@ -314,30 +314,38 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
         .expect("a VIP for az1")
         .to_string();
     assert_eq!(out["vip"]["value"]["az1"], format!("{vip}:8080"));
-    // Through the VIP: the forwarder spreads connections over both nodes.
-    let (a, bb, nodes) = spread(&vip, 12);
-    assert_eq!(a + bb, 12);
-    let mut distinct = nodes.clone();
-    distinct.sort();
-    distinct.dedup();
-    assert_eq!(
-        distinct.len(),
-        2,
-        "both nodes serve through the VIP: {nodes:?}"
-    );
-    assert_eq!(tcp_roundtrip(&vip, 9000), "echo\nping\n");
-
-    // Native SE scale-out (the default scaling_mode): the VIP sends every
-    // connection to the primary (the older node), which keeps its share and
-    // forwards the rest to the secondary. With primary_forwarding_cost 0.3 the
-    // CPU-equalising shares of 2 nodes are 0.7/1.7 and 1/1.7 (lbscale-core seplan).
+    // Native SE scale-out (the default scaling_mode), and a vserver's span
+    // starts at min_scaleout_per_vs (1): the VIP sends every connection to the
+    // primary (the older node), which serves them all.
     let group_id = ws.resource("lbscale_autoscale_group.g")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let web_id = ws.resource("lbscale_vserver.web")["id"]
         .as_str()
         .unwrap()
         .to_string();
     let mut nodes_by_age = ws.store().nodes_of_group(&group_id).unwrap();
     nodes_by_age.sort_by_key(|n| n.seq);
     let (primary, secondary) = (&nodes_by_age[0], &nodes_by_age[1]);
+    let (a, bb, nodes) = spread(&vip, 12);
+    assert_eq!(a + bb, 12);
+    assert!(
+        nodes.iter().all(|n| *n == primary.id),
+        "a span of one: the primary serves everything: {nodes:?}"
+    );
+    assert_eq!(tcp_roundtrip(&vip, 9000), "echo\nping\n");
+
+    // The daemon sizes the span from the holders' CPU; here it is set as the
+    // daemon sets it: two nodes hold the vserver, the primary keeps its share
+    // and forwards the rest to the secondary. With primary_forwarding_cost 0.3
+    // the CPU-equalising shares of 2 nodes are 0.7/1.7 and 1/1.7 (seplan).
+    let engine = ws.engine();
+    engine
+        .set_vserver_span(&group_id, &web_id, "az1", 2, "test: span 2")
+        .await
+        .unwrap();
+    ws.assert_plan_empty("a span change");
     let n = 170;
     let (_, _, served_by) = spread(&vip, n);
     let on_primary = served_by.iter().filter(|x| **x == primary.id).count();
@@ -354,10 +362,15 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
             .any(|f| f.peer.starts_with(&secondary.private_ip) && f.connections_total > 0),
         "the primary reports what it forwarded: {forwarded:?}"
     );
+    // A span larger than the AZ (max_scaleout_per_vs, 4) takes every node, and
+    // a node that joins the group joins the vserver at once.
+    engine
+        .set_vserver_span(&group_id, &web_id, "az1", 4, "test: span 4")
+        .await
+        .unwrap();
 
     // A node that joins (the daemon's scale-out workflow) becomes a secondary: the
     // primary now keeps the 3-node share and forwards the rest to both others.
-    let engine = ws.engine();
     let added = engine.scale_out(&group_id, "az1", "test").await.unwrap();
     let native = |nodes: u32| {
         lbscale_core::seplan::plan(
