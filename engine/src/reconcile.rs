@@ -1354,11 +1354,7 @@ impl Engine {
         nodes: &[&NodeRow],
     ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
         let mut out = BTreeMap::new();
-        let nlb = self
-            .store
-            .distributor(&group.spec.traffic_distributor_id)?
-            .is_some_and(|d| d.spec.mode == "nlb");
-        if !nlb {
+        if !self.behind_nlb(&group.spec)? {
             return Ok(out);
         }
         let se_groups: BTreeMap<String, SeGroupSpec> = self
@@ -1371,15 +1367,10 @@ impl Engine {
             let Some(se) = se_groups.get(&v.spec.se_group_id) else {
                 continue;
             };
-            let (min, max) = span_bounds(se);
             for az in &group.spec.availability_zones {
                 let settings = placement::SeSettings {
                     mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
-                    span: self
-                        .store
-                        .vserver_span(&v.id, az)?
-                        .unwrap_or(min)
-                        .clamp(min, max),
+                    span: self.span_of(&v.id, az, se)?,
                     forwarding_cost: se.primary_forwarding_cost,
                     scalein_timeout_ms: parse_duration(&se.vs_scalein_timeout)
                         .map(|d| d.as_millis() as u64)
@@ -1397,6 +1388,26 @@ impl Engine {
         Ok(out)
     }
 
+    /// Whether the group's distributor is an `nlb`: only behind one does a
+    /// vserver have a span, a primary and secondaries.
+    fn behind_nlb(&self, group: &GroupSpec) -> Result<bool> {
+        Ok(self
+            .store
+            .distributor(&group.traffic_distributor_id)?
+            .is_some_and(|d| d.spec.mode == "nlb"))
+    }
+
+    /// How many nodes of `az` hold the vserver: as the daemon sized it, else
+    /// `min_scaleout_per_vs`; within the SE group's bounds.
+    fn span_of(&self, vserver_id: &str, az: &str, se: &SeGroupSpec) -> Result<u32> {
+        let (min, max) = span_bounds(se);
+        Ok(self
+            .store
+            .vserver_span(vserver_id, az)?
+            .unwrap_or(min)
+            .clamp(min, max))
+    }
+
     /// Every vserver of the group in every AZ behind an `nlb` distributor, with
     /// the nodes that hold it (what [`Engine::placements`] places over). Empty
     /// behind `dns`: clients reach every node, there is no span to size.
@@ -1405,11 +1416,7 @@ impl Engine {
         let Some(group) = self.store.group(group_id)? else {
             return Ok(out);
         };
-        let nlb = self
-            .store
-            .distributor(&group.spec.traffic_distributor_id)?
-            .is_some_and(|d| d.spec.mode == "nlb");
-        if !nlb {
+        if !self.behind_nlb(&group.spec)? {
             return Ok(out);
         }
         let mut members: Vec<NodeRow> = self
@@ -1428,11 +1435,7 @@ impl Engine {
             };
             for v in self.store.vservers_of_se_group(&se.id)? {
                 for az in &group.spec.availability_zones {
-                    let span = self
-                        .store
-                        .vserver_span(&v.id, az)?
-                        .unwrap_or(min)
-                        .clamp(min, max);
+                    let span = self.span_of(&v.id, az, &se.spec)?;
                     let holders = members
                         .iter()
                         .filter(|n| &n.az == az)
