@@ -358,6 +358,13 @@ extern "C" {
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
+/// SIGKILL to `pid`, as a crash.
+pub fn sigkill(pid: u32) {
+    unsafe {
+        libc_kill(pid as i32, SIGKILL);
+    }
+}
+
 /// A backend HTTP server on 127.0.0.1 that answers every request with `name`
 /// in its body and an `x-backend` header. Runs until the test process ends.
 pub fn http_backend(name: &str) -> u16 {
@@ -779,6 +786,18 @@ impl Daemon {
     /// store is the workspace's: through `LBSCALE_STATE` if the workspace gives
     /// it to the provider that way, else `--state`.
     pub fn start_with(ws: &Workspace, port: u16, tag: &str, env: &[(&str, &str)]) -> Daemon {
+        Daemon::start_using(ws, port, tag, env, &bin_dir().join("lbscale-node"))
+    }
+
+    /// As [`Daemon::start_with`], with the nodes it provisions started from
+    /// `node_binary`.
+    pub fn start_using(
+        ws: &Workspace,
+        port: u16,
+        tag: &str,
+        env: &[(&str, &str)],
+        node_binary: &Path,
+    ) -> Daemon {
         let log = ws.dir.join(format!("daemon-{tag}.log"));
         let mut cmd = Command::new(bin_dir().join("lbscale"));
         cmd.arg("daemon");
@@ -801,7 +820,7 @@ impl Daemon {
             "--address-prefix",
             &ws.prefix,
             "--node-binary",
-            bin_dir().join("lbscale-node").to_str().unwrap(),
+            node_binary.to_str().unwrap(),
             "--log-format",
             "json",
         ])

@@ -413,3 +413,81 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
         t0.elapsed().as_secs()
     );
 }
+
+/// A resume that keeps failing is retried after a back-off, not at every
+/// evaluation, and says so (event, /v1/groups, /metrics); once the cause is
+/// gone, the next daemon's resume repairs the group. The cause here: the
+/// group's only node died, and the daemon cannot start a replacement (its node
+/// binary does not exist).
+#[test]
+fn a_resume_that_keeps_failing_backs_off_and_a_later_one_repairs() {
+    let backend = big_backend();
+    let mut ws = Workspace::new("faults-resume", 128);
+    let (dns, first_ip) = apply_group(&mut ws, "fres", backend);
+    let dead = rows(&ws, "fres").remove(0);
+    let pid = dead.handle["pid"].as_u64().expect("the node's pid") as u32;
+    sigkill(pid);
+    wait_for("the node process to die", Duration::from_secs(5), || {
+        (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    });
+
+    let missing = ws.dir.join("no-such-dir/lbscale-node");
+    let port = NEXT_PORT.fetch_add(1, Ordering::SeqCst);
+    let broken = Daemon::start_using(&ws, port, "broken", &[], &missing);
+    let backoff = wait_for("a failed resume", Duration::from_secs(20), || {
+        let b = broken.group("fres")["resume_backoff"].clone();
+        (!b.is_null()).then_some(b)
+    });
+    let failed_at = lbscale_engine::store::now_ms() as i64;
+    assert_eq!(backoff["failures"], 1, "{backoff}");
+    let retry_in = backoff["retry_at_ms"].as_i64().unwrap() - failed_at;
+    assert!(
+        (20_000..=30_000).contains(&retry_in),
+        "the first retry is 30 s after the failure, in {retry_in} ms"
+    );
+    assert!(
+        backoff["error"].as_str().unwrap().contains("lbscale-node"),
+        "the error names what is wrong: {backoff}"
+    );
+    let ev = events(&ws, "fres");
+    let failed = ev
+        .iter()
+        .find(|e| e.kind == "resume_failed")
+        .expect("a resume_failed event");
+    assert!(
+        failed.reason.contains("retrying in 30s"),
+        "{}",
+        failed.reason
+    );
+    // Evaluations go on every second; the resume is not retried meanwhile.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(broken.group("fres")["resume_backoff"]["failures"], 1);
+    let metrics = broken.metrics();
+    assert!(
+        metrics.contains("lbscale_resume_failures_total{group=\"fres\"} 1"),
+        "{metrics}"
+    );
+    assert_eq!(
+        events(&ws, "fres")
+            .iter()
+            .filter(|e| e.kind == "resume_failed")
+            .count(),
+        1
+    );
+    broken.stop();
+
+    // The cause gone, the next daemon's resume replaces the dead node.
+    let good = start_daemon(&ws, "good", None);
+    let nodes = wait_settled(&ws, &dns, "fres", "the repairing resume", BOUND);
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert!(
+        nodes.iter().all(|(id, _)| *id != dead.id),
+        "the dead node was replaced: {nodes:?} (it was {} at {first_ip})",
+        dead.id
+    );
+    assert!(good.group("fres")["resume_backoff"].is_null());
+    good.stop();
+    ws.assert_plan_empty("after the repair");
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
