@@ -1,7 +1,8 @@
 //! `lbscale status --state URL`: every group of the store with its nodes per AZ,
 //! as a table (what the store and the node processes show now), and each AZ's
 //! policy phase as the daemon last persisted it (with the end of a cooldown or
-//! back-off it waits for).
+//! back-off it waits for); then, for groups behind an `nlb`, each vserver's span
+//! per AZ and the nodes that hold it.
 
 use lbscale_engine::cloud::local::LocalSettings;
 use lbscale_engine::Engine;
@@ -99,6 +100,34 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     print_table(&rows);
     if groups.is_empty() {
         println!("(no autoscale groups in the store)");
+    }
+    // Behind an nlb: how many nodes hold each vserver (the daemon sizes it).
+    let mut spans = vec![["VSERVER", "GROUP", "AZ", "SPAN", "MIN", "MAX", "HOLDERS"]
+        .map(String::from)
+        .to_vec()];
+    for g in &groups {
+        for v in engine
+            .vserver_spans(&g.id)
+            .map_err(|e| CliError::Output(e.to_string()))?
+        {
+            spans.push(vec![
+                v.vserver,
+                g.spec.name.clone(),
+                v.az,
+                v.span.to_string(),
+                v.min.to_string(),
+                v.max.to_string(),
+                if v.holders.is_empty() {
+                    "-".into()
+                } else {
+                    v.holders.join(", ")
+                },
+            ]);
+        }
+    }
+    if spans.len() > 1 {
+        println!();
+        print_table(&spans);
     }
     Ok(())
 }

@@ -506,6 +506,20 @@ output "address" {{ value = lbscale_traffic_distributor.d.address }}
         .to_string();
     let mut nodes = ws.store().nodes_of_group(&group_id).unwrap();
     nodes.sort_by_key(|n| n.seq);
+    // lbscale status shows the span and its holders from the store (the
+    // daemon may already want a third node: 2 or more, over both nodes).
+    let status = lbscale(&ws, &["status", "--state", "sqlite://.lbscale/state.db"]);
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("dspan-web"))
+        .unwrap_or_else(|| panic!("no span line in lbscale status:\n{status}"));
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!((cols[1], cols[2]), ("dspan", "az1"), "{status}");
+    assert!(cols[3].parse::<u32>().unwrap() >= 2, "{status}");
+    assert!(
+        line.contains(&nodes[0].id) && line.contains(&nodes[1].id),
+        "{status}"
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     wait_for(
         "the primary to forward to its new secondary",
