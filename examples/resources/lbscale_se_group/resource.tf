@@ -35,7 +35,9 @@ resource "lbscale_autoscale_group" "web" {
 }
 
 # How a vserver spreads over the group's nodes: native scale-out over 1 to 4
-# nodes, with the primary forwarding a share of new connections.
+# nodes, with the primary forwarding a share of new connections. A vserver starts
+# on one node (its primary); `lbscale daemon` adds nodes to it as its holders'
+# CPU passes the group's cpu max (80 here), and takes them away as it falls.
 resource "lbscale_se_group" "web" {
   name                    = "web-se"
   autoscale_group_id      = lbscale_autoscale_group.web.id

@@ -41,14 +41,15 @@ resource "lbscale_se_group" "edge" {
 
 # An HTTP vserver on port 8080 of every node, round-robin over two backends.
 # A service that is newly bound (or back UP) ramps up by 5 requests per second
-# every 10 seconds.
+# every 10 seconds. A client keeps its backend through any node: the node sets a
+# cookie that names the service (COOKIE persistence needs an HTTP vserver).
 resource "lbscale_vserver" "api" {
   name         = "api"
   se_group_id  = lbscale_se_group.edge.id
   service_type = "HTTP"
   port         = 8080
   lb_method    = "ROUNDROBIN"
-  persistence  = "NONE"
+  persistence  = "COOKIE"
 
   service {
     name    = "api-1"
