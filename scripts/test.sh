@@ -13,7 +13,9 @@ export LBSCALE_TERRAFORM="$root/.tools/bin/terraform"
 # pace themselves (each uses its own loopback prefix and store).
 if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
     watcher=
-    trap '[ -n "$watcher" ] && kill "$watcher" 2>/dev/null; "$root/scripts/postgres.sh" stop' EXIT
+    # `|| true`: under set -e a watcher that already ended must not cut the
+    # trap short before the server is stopped.
+    trap '{ [ -n "$watcher" ] && kill "$watcher" 2>/dev/null; } || true; "$root/scripts/postgres.sh" stop' EXIT
     LBSCALE_TEST_POSTGRES_URL=$("$root/scripts/postgres.sh" start)
     LBSCALE_TEST_POSTGRES_CA=$("$root/scripts/postgres.sh" ca)
     export LBSCALE_TEST_POSTGRES_URL LBSCALE_TEST_POSTGRES_CA
