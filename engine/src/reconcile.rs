@@ -300,8 +300,18 @@ impl Engine {
                 &format!("traffic distributor {:?} destroyed", row.spec.name),
             )?;
         }
+        // Under the distributor's lease: a publication in flight (the daemon's)
+        // must not restart the process that this removes.
+        let turn = self
+            .lease(
+                &distributor_lease_key(id),
+                Instant::now() + PUBLISH_LEASE_WAIT,
+            )
+            .await?;
         self.distributor_driver(&row.spec.cloud)?.remove(id).await?;
+        // Deletes the lease row too.
         self.store.delete_distributor(id)?;
+        drop(turn);
         Ok(())
     }
 
@@ -390,6 +400,11 @@ impl Engine {
     /// interleaved, the later write could carry the earlier view under the same
     /// version and a registration would be lost until the next publication.
     async fn publish(&self, distributor_id: &str) -> Result<()> {
+        // A distributor destroyed under its groups (to be replaced) has nothing
+        // to publish, and must not get a lease row that nothing would delete.
+        if self.store.distributor(distributor_id)?.is_none() {
+            return Ok(());
+        }
         let turn = self
             .lease(
                 &distributor_lease_key(distributor_id),
