@@ -252,24 +252,28 @@ pub const DEFAULT_SPAN_TARGET_CPU: f64 = 80.0;
 pub const SPAN_SHRINK_MARGIN: f64 = 0.8;
 
 /// How many nodes a vserver should span, from the CPU of the nodes that hold it
-/// now (`holders_cpu`, percent, primary first) and the utilisation they should
-/// stay under (`target_cpu`, percent), within `[min_scaleout, max_scaleout]`.
+/// now (`holders_cpu`, percent, primary first), its current span (which may be
+/// more than its holders: an AZ with fewer nodes, or a holder gone) and the
+/// utilisation they should stay under (`target_cpu`, percent), within
+/// `[min_scaleout, max_scaleout]`.
 ///
 /// The plan's shares equalise CPU across the holders, so their mean utilisation
 /// `u` carries `u × capacity(n)` of load (in units of one node's capacity). The
 /// span grows to the fewest nodes that carry that load at `target_cpu`, and
-/// shrinks only to a span that carries it at [`SPAN_SHRINK_MARGIN`] of it. No
-/// holder measured: the span stays (clamped to the bounds).
+/// shrinks only to a span that carries it at [`SPAN_SHRINK_MARGIN`] of it;
+/// between the two it stays. No holder measured: the span stays (clamped to the
+/// bounds).
 pub fn span_for_cpu(
     params: &PlanParams,
     holders_cpu: &[f64],
+    current_span: u32,
     target_cpu: f64,
     min_scaleout: u32,
     max_scaleout: u32,
 ) -> NodesNeeded {
     let lo = min_scaleout.max(1);
     let hi = max_scaleout.max(lo);
-    let current = (holders_cpu.len() as u32).clamp(lo, hi);
+    let current = current_span.clamp(lo, hi);
     if holders_cpu.is_empty() || target_cpu.is_nan() || target_cpu <= 0.0 {
         return NodesNeeded {
             nodes: current,
@@ -403,32 +407,38 @@ mod tests {
         let native = PlanParams::default();
         // One primary at 95 % of its CPU, target 80 %: load 0.95 needs 1.19
         // nodes' worth at 80 %: two nodes (capacity 1.7).
-        let d = span_for_cpu(&native, &[95.0], 80.0, 1, 4);
+        let d = span_for_cpu(&native, &[95.0], 1, 80.0, 1, 4);
         assert_eq!((d.nodes, d.saturated), (2, false));
         // Two holders at 50 %: load 0.85 of 1.7; fits in one node at 80 %? 1.06
         // needed: no, stays at 2. At 30 %: load 0.51, one node at 64 % (the
         // shrink margin): 0.80 needed, fits: back to 1.
-        assert_eq!(span_for_cpu(&native, &[50.0, 50.0], 80.0, 1, 4).nodes, 2);
-        assert_eq!(span_for_cpu(&native, &[30.0, 30.0], 80.0, 1, 4).nodes, 1);
+        assert_eq!(span_for_cpu(&native, &[50.0, 50.0], 2, 80.0, 1, 4).nodes, 2);
+        assert_eq!(span_for_cpu(&native, &[30.0, 30.0], 2, 80.0, 1, 4).nodes, 1);
         // Between the grow and the shrink points the span holds: 45 % on one node
         // is below 80 %, 2 nodes at 45 % carry 0.765, one node would be at 76 %,
         // above the 64 % margin: stays at 2.
-        assert_eq!(span_for_cpu(&native, &[45.0, 45.0], 80.0, 1, 4).nodes, 2);
+        assert_eq!(span_for_cpu(&native, &[45.0, 45.0], 2, 80.0, 1, 4).nodes, 2);
         // Bounds: never under min, never over max; saturated when max is not enough.
-        assert_eq!(span_for_cpu(&native, &[1.0], 80.0, 2, 4).nodes, 2);
-        let full = span_for_cpu(&native, &[100.0, 100.0, 100.0, 100.0], 80.0, 1, 4);
+        assert_eq!(span_for_cpu(&native, &[1.0], 1, 80.0, 2, 4).nodes, 2);
+        let full = span_for_cpu(&native, &[100.0, 100.0, 100.0, 100.0], 4, 80.0, 1, 4);
         assert_eq!((full.nodes, full.saturated), (4, true));
         // Nothing measured: the span stays as it is.
-        assert_eq!(span_for_cpu(&native, &[], 80.0, 1, 4).nodes, 1);
+        assert_eq!(span_for_cpu(&native, &[], 1, 80.0, 1, 4).nodes, 1);
         // bgp scales linearly: 3 holders at 100 % -> 3.75 nodes at 80 % -> 4.
         let bgp = PlanParams {
             mode: ScalingMode::Bgp,
             ..PlanParams::default()
         };
         assert_eq!(
-            span_for_cpu(&bgp, &[100.0, 100.0, 100.0], 80.0, 1, 8).nodes,
+            span_for_cpu(&bgp, &[100.0, 100.0, 100.0], 3, 80.0, 1, 8).nodes,
             4
         );
+        // A span of 4 held by the AZ's only 2 nodes, both at 95 %: load 1.6,
+        // which 3 nodes would carry at 80 % but only 4 at the shrink margin:
+        // it stays at 4 (it is not sized down to the 2 holders).
+        assert_eq!(span_for_cpu(&native, &[95.0, 95.0], 4, 80.0, 1, 4).nodes, 4);
+        // Idle, it shrinks to what carries the load.
+        assert_eq!(span_for_cpu(&native, &[1.0, 1.0], 4, 80.0, 1, 4).nodes, 1);
     }
 
     #[test]

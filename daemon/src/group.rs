@@ -65,6 +65,10 @@ pub struct GroupRuntime {
     resumed: bool,
     /// Failed resumes in a row and when the next one is due.
     resume_backoff: ResumeBackoff,
+    /// Per (vserver id, AZ): the span the last evaluations asked for and how
+    /// many in a row asked for it. A span changes after `watch_samples` of
+    /// them, as the group itself scales only on a confirmed breach.
+    span_streaks: HashMap<(String, String), (u32, u32)>,
 }
 
 impl Default for GroupRuntime {
@@ -82,6 +86,7 @@ impl GroupRuntime {
             last_eval_ms: 0,
             resumed: false,
             resume_backoff: ResumeBackoff::default(),
+            span_streaks: HashMap::new(),
         }
     }
 
@@ -495,6 +500,9 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
         }
     };
     let span_target = span_target_cpu(spec);
+    // Out of `rt` for the AZ loop, which holds `rt.azs` borrowed; put back
+    // after it (an evaluation cut short starts the streaks afresh).
+    let mut span_streaks = std::mem::take(&mut rt.span_streaks);
 
     // Forget AZs that the group no longer declares.
     rt.azs
@@ -670,8 +678,12 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             az,
             &span_views,
             &answers,
-            span_target,
-            may_resize,
+            SpanPolicy {
+                target_cpu: span_target,
+                watch_samples: cfg.watch_samples,
+                may_resize,
+            },
+            &mut span_streaks,
         )
         .await;
         statuses.push(az_status(
@@ -683,6 +695,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
             spans,
         ));
     }
+    rt.span_streaks = span_streaks;
     shared.update_status(&id, |s| {
         s.owner = "self".into();
         s.skipped_for = None;
@@ -754,10 +767,20 @@ fn span_target_cpu(spec: &GroupSpec) -> f64 {
         .unwrap_or(lbscale_core::seplan::DEFAULT_SPAN_TARGET_CPU)
 }
 
+/// How the daemon sizes spans at one evaluation.
+struct SpanPolicy {
+    /// Percent CPU the holders should stay under.
+    target_cpu: f64,
+    /// Evaluations in a row that must ask for the same new span.
+    watch_samples: u32,
+    /// False while the AZ's own scaling is busy: spans are reported, not changed.
+    may_resize: bool,
+}
+
 /// Sizes each vserver's span in `az` from the CPU its holders reported
-/// (`lbscale_core::seplan::span_for_cpu`) and, when `may_resize`, applies a new
-/// one through the engine (an event says why). A vserver whose holders did not
-/// all answer keeps its span.
+/// (`lbscale_core::seplan::span_for_cpu`) and applies a new one through the
+/// engine (an event says why) once `watch_samples` evaluations in a row asked
+/// for it. A vserver whose holders did not all answer keeps its span.
 #[allow(clippy::too_many_arguments)]
 async fn size_spans(
     shared: &Shared,
@@ -766,11 +789,13 @@ async fn size_spans(
     az: &str,
     views: &[SpanView],
     answers: &HashMap<String, NodeStats>,
-    target_cpu: f64,
-    may_resize: bool,
+    policy: SpanPolicy,
+    streaks: &mut HashMap<(String, String), (u32, u32)>,
 ) -> Vec<VserverSpan> {
     let mut out = Vec::new();
+    streaks.retain(|(v, a), _| a != az || views.iter().any(|x| &x.vserver_id == v));
     for v in views.iter().filter(|v| v.az == az) {
+        let key = (v.vserver_id.clone(), az.to_string());
         let cpus: Option<Vec<f64>> = v
             .holders
             .iter()
@@ -781,31 +806,58 @@ async fn size_spans(
             .as_ref()
             .map(|c| c.iter().sum::<f64>() / c.len() as f64);
         let mut span = v.span;
-        if let (true, Some(cpus)) = (may_resize, &cpus) {
-            let want = lbscale_core::seplan::span_for_cpu(&v.plan, cpus, target_cpu, v.min, v.max);
-            if want.nodes != v.span {
-                let reason = format!(
-                    "vserver {}: span {} -> {} node(s): its {} holder(s) at {:.1} % CPU on average, target {:.0} %{}",
-                    v.vserver,
-                    v.span,
-                    want.nodes,
-                    cpus.len(),
-                    mean.unwrap_or(0.0),
-                    target_cpu,
-                    if want.saturated { " (max_scaleout_per_vs reached: saturated)" } else { "" }
-                );
-                match shared
-                    .engine
-                    .set_vserver_span(group_id, &v.vserver_id, az, want.nodes, &reason)
-                    .await
-                {
-                    Ok(()) => {
-                        tracing::info!(group = %name, az = %az, vserver = %v.vserver, from = v.span, to = want.nodes, %reason, "vserver span changed");
-                        span = want.nodes;
-                    }
-                    Err(e) => {
-                        tracing::warn!(group = %name, az = %az, vserver = %v.vserver, error = %e, "could not change the vserver's span");
-                    }
+        let want = match (&cpus, policy.may_resize) {
+            (Some(cpus), true) => Some(lbscale_core::seplan::span_for_cpu(
+                &v.plan,
+                cpus,
+                v.span,
+                policy.target_cpu,
+                v.min,
+                v.max,
+            )),
+            _ => None,
+        };
+        let Some(want) = want.filter(|w| w.nodes != v.span) else {
+            streaks.remove(&key);
+            out.push(VserverSpan {
+                vserver: v.vserver.clone(),
+                span,
+                min: v.min,
+                max: v.max,
+                holders: v.holders.clone(),
+                cpu: mean,
+            });
+            continue;
+        };
+        let streak = streaks.entry(key.clone()).or_insert((want.nodes, 0));
+        if streak.0 != want.nodes {
+            *streak = (want.nodes, 0);
+        }
+        streak.1 += 1;
+        if streak.1 >= policy.watch_samples.max(1) {
+            streaks.remove(&key);
+            let target_cpu = policy.target_cpu;
+            let reason = format!(
+                "vserver {}: span {} -> {} node(s): its {} holder(s) at {:.1} % CPU on average, target {:.0} %{}",
+                v.vserver,
+                v.span,
+                want.nodes,
+                v.holders.len(),
+                mean.unwrap_or(0.0),
+                target_cpu,
+                if want.saturated { " (max_scaleout_per_vs reached: saturated)" } else { "" }
+            );
+            match shared
+                .engine
+                .set_vserver_span(group_id, &v.vserver_id, az, want.nodes, &reason)
+                .await
+            {
+                Ok(()) => {
+                    tracing::info!(group = %name, az = %az, vserver = %v.vserver, from = v.span, to = want.nodes, %reason, "vserver span changed");
+                    span = want.nodes;
+                }
+                Err(e) => {
+                    tracing::warn!(group = %name, az = %az, vserver = %v.vserver, error = %e, "could not change the vserver's span");
                 }
             }
         }

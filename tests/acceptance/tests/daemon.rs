@@ -483,19 +483,22 @@ output "address" {{ value = lbscale_traffic_distributor.d.address }}
     // target on the primary, while an idle node stays at 0-1 %.
     let load = Load::start(&vip, "dspan.lbscale.test");
     let load2 = Load::start(&vip, "dspan.lbscale.test");
-    let (_, cpu) = wait_for(
+    // At least 2: the load may ask for more nodes than the AZ's 2 at once.
+    let (grown_to, cpu) = wait_for(
         "the span to grow under load",
         Duration::from_secs(40),
-        || span(&daemon).filter(|(s, _)| *s == 2),
+        || span(&daemon).filter(|(s, _)| *s >= 2),
     );
-    eprintln!("MEASURE span 1 -> 2 at the holders' mean CPU {cpu:?} % (target {SPAN_CPU} %)");
+    eprintln!(
+        "MEASURE span 1 -> {grown_to} at the holders' mean CPU {cpu:?} % (target {SPAN_CPU} %)"
+    );
     let ev = events(&ws, "dspan");
     let grown = ev
         .iter()
         .find(|e| e.kind == "vserver_span")
         .expect("a vserver_span event");
     assert!(
-        grown.reason.contains("span 1 -> 2") && grown.reason.contains("% CPU"),
+        grown.reason.contains("span 1 -> ") && grown.reason.contains("% CPU"),
         "the event says what changed and why: {}",
         grown.reason
     );
