@@ -56,7 +56,8 @@ pub(crate) fn split_tls_params(url: &str) -> Result<(String, TlsParams), String>
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        match key {
+        // The client library decodes keys too: `ssl%6Dode` is `sslmode`.
+        match percent_decode(key).as_str() {
             "sslmode" => {
                 params.mode = match percent_decode(value).as_str() {
                     "disable" => SslMode::Disable,
@@ -299,5 +300,11 @@ mod tests {
         assert!(e.starts_with("sslmode: must be one of"), "{e}");
         let e = split_tls_params("postgres://h/db?sslmode=verify-ca").unwrap_err();
         assert!(e.contains("needs sslrootcert=PATH"), "{e}");
+        // An encoded key is the same key (the client library would decode it).
+        let (url, p) = split_tls_params("postgres://h/db?ssl%6Dode=require").unwrap();
+        assert_eq!(
+            (url.as_str(), p.mode),
+            ("postgres://h/db", SslMode::Require)
+        );
     }
 }

@@ -453,7 +453,22 @@ fn worker(
     ready: mpsc::SyncSender<std::result::Result<(), PgFailure>>,
 ) {
     let connect = |config: &postgres::Config| -> std::result::Result<postgres::Client, PgFailure> {
-        let mut c = config.connect(tls.clone()).map_err(failure)?;
+        let mut c = match config.connect(tls.clone()) {
+            Ok(c) => c,
+            // libpq's `prefer`: a server whose TLS this client cannot use (an old
+            // protocol version, an unsupported key) is used in the clear, as
+            // before TLS was built. The other modes never fall back.
+            Err(e)
+                if config.get_ssl_mode() == postgres::config::SslMode::Prefer
+                    && e.to_string().contains("TLS") =>
+            {
+                tracing::warn!(error = %e, "the PostgreSQL server's TLS failed; sslmode=prefer: connecting without TLS");
+                let mut plain = config.clone();
+                plain.ssl_mode(postgres::config::SslMode::Disable);
+                plain.connect(tls.clone()).map_err(failure)?
+            }
+            Err(e) => return Err(failure(e)),
+        };
         c.batch_execute(&format!("SET lock_timeout = '{}ms'", lock_wait.as_millis()))
             .map_err(failure)?;
         Ok(c)
@@ -557,11 +572,13 @@ pub(crate) fn redact_url(url: &str) -> String {
     out
 }
 
-/// The password in `scheme://user:password@host...`, as written.
+/// The password in `scheme://user:password@host...`, as written. The user
+/// info ends at the first `@` (a raw `@` cannot be in it), so a password with
+/// a raw `/` or `?` is still found and masked; at worst, a URL without user
+/// info but with an `@` in its query has more masked than needed.
 pub(crate) fn password_of(url: &str) -> Option<String> {
     let rest = url.split_once("://")?.1;
-    let authority = rest.split(['/', '?']).next()?;
-    let userinfo = authority.rsplit_once('@')?.0;
+    let userinfo = rest.split_once('@')?.0;
     let pw = userinfo.split_once(':')?.1;
     (!pw.is_empty()).then(|| pw.to_string())
 }
@@ -577,6 +594,17 @@ fn scrub(message: &str, secret: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_password_with_a_raw_slash_or_question_mark_is_masked() {
+        let url = "postgres://lb:pa/ss?w@db.example:5432/lb";
+        assert_eq!(password_of(url).as_deref(), Some("pa/ss?w"));
+        assert_eq!(redact_url(url), "postgres://lb:***@db.example:5432/lb");
+        assert_eq!(
+            password_of("postgres://db.example/lb?sslmode=require"),
+            None
+        );
+    }
 
     #[test]
     fn placeholders_become_dollars_outside_literals() {

@@ -921,10 +921,13 @@ impl Store {
         })
         .map(|v| v.map(|s| s.clamp(1, i64::from(u32::MAX)) as u32))
     }
+    /// Records the span; nothing for a vserver that is gone (deleted since the
+    /// caller looked), so that no row outlives it.
     pub fn set_vserver_span(&self, vserver_id: &str, az: &str, span: u32) -> Result<()> {
         self.with(|c| {
             c.execute(
-                "INSERT INTO vserver_spans (vserver_id, az, span) VALUES (?1, ?2, ?3)
+                "INSERT INTO vserver_spans (vserver_id, az, span)
+                 SELECT ?1, ?2, ?3 WHERE EXISTS (SELECT 1 FROM vservers WHERE id = ?1)
                  ON CONFLICT (vserver_id, az) DO UPDATE SET span = excluded.span",
                 vals![vserver_id, az, i64::from(span)],
             )
@@ -1639,29 +1642,41 @@ mod tests {
         let db = ts.url.rsplit('/').next().unwrap().to_string();
         // Connections to this database that are encrypted (ts.raw_text's own
         // connection is plain, so it does not count itself).
-        let encrypted = || {
+        // The connections of one open (tagged by application_name, so that a
+        // backend of an earlier open still exiting does not count): how many
+        // are encrypted, of how many.
+        let tls_of = |tag: &str| {
             ts.raw_text(&format!(
-                "SELECT count(*)::text FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
-                 WHERE a.datname = '{db}' AND s.ssl"
+                "SELECT count(*) FILTER (WHERE s.ssl)::text || '/' || count(*)::text \
+                 FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.datname = '{db}' AND a.application_name = '{tag}'"
             ))
             .unwrap()
         };
         let open = |params: &str| Store::open_url(&format!("{}?{params}", ts.url), &ts.dir);
 
-        let s = open(&format!("sslmode=verify-full&sslrootcert={}", ca.display())).unwrap();
+        let s = open(&format!(
+            "sslmode=verify-full&sslrootcert={}&application_name=full",
+            ca.display()
+        ))
+        .unwrap();
         s.record_event("g", None, "k", "over TLS").unwrap();
-        assert_eq!(encrypted(), "1", "verify-full did not encrypt");
+        assert_eq!(tls_of("full"), "1/1", "verify-full did not encrypt");
         drop(s);
 
-        let s = open("sslmode=disable").unwrap();
+        let s = open("sslmode=disable&application_name=plain").unwrap();
         s.record_event("g", None, "k", "plain").unwrap();
-        assert_eq!(encrypted(), "0", "disable encrypted");
+        assert_eq!(tls_of("plain"), "0/1", "disable encrypted");
         drop(s);
 
-        // require: encrypted, the server not authenticated (libpq's meaning).
-        let s = open("sslmode=require").unwrap();
+        // require: encrypted, the server not authenticated (libpq's meaning);
+        // and prefer, the default, takes the server's TLS.
+        let s = open("sslmode=require&application_name=req").unwrap();
         assert_eq!(s.count_rows("events").unwrap(), 2);
-        assert_eq!(encrypted(), "1", "require did not encrypt");
+        assert_eq!(tls_of("req"), "1/1", "require did not encrypt");
+        drop(s);
+        let s = open("application_name=pref").unwrap();
+        assert_eq!(tls_of("pref"), "1/1", "prefer did not encrypt");
         drop(s);
 
         // A CA that did not sign the server's certificate: refused.

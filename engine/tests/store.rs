@@ -209,6 +209,10 @@ store_test!(
     a_vserver_span_is_kept_per_az_and_goes_with_the_vserver,
     |ts| {
         let s = ts.open();
+        ts.raw("INSERT INTO vservers (id, name, se_group_id, spec, created_at) VALUES ('vs-1', 'v', 'seg', '{}', 0)");
+        // A vserver that is gone (deleted since the daemon looked) gets no row.
+        s.set_vserver_span("vs-gone", "az1", 3).unwrap();
+        assert_eq!(s.vserver_span("vs-gone", "az1").unwrap(), None);
         assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), None);
         s.set_vserver_span("vs-1", "az1", 2).unwrap();
         s.set_vserver_span("vs-1", "az2", 3).unwrap();
