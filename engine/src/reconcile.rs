@@ -1528,6 +1528,15 @@ impl Engine {
             .collect();
         let placements = self.placements(group, &staying)?;
         let mut config = base.clone();
+        if !placements.is_empty() {
+            // Behind an nlb nodes forward to each other (a primary to its
+            // secondaries) with a PROXY header naming the client.
+            config.group_peers = staying
+                .iter()
+                .filter(|m| m.id != n.id)
+                .map(|m| m.private_ip.clone())
+                .collect();
+        }
         for v in &mut config.vservers {
             let Some(p) = placements.get(&(v.name.clone(), n.az.clone())) else {
                 continue;
@@ -1608,7 +1617,11 @@ impl Engine {
                 }
             })
             .collect();
-        Ok(lbscale_proto::NodeConfig { version, vservers })
+        Ok(lbscale_proto::NodeConfig {
+            version,
+            vservers,
+            group_peers: Vec::new(),
+        })
     }
 
     // --- SE groups ---------------------------------------------------------------

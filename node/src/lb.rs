@@ -433,6 +433,9 @@ pub struct VsState {
     /// value (None for ramp peers).
     pub cookie_name: String,
     cookies: Vec<Option<(String, HeaderValue)>>,
+    /// The group's other nodes: their connections start with a PROXY v2 header
+    /// (a primary forwarding a client), which is read and removed.
+    pub proxy_from: std::sync::Arc<std::collections::HashSet<std::net::IpAddr>>,
 }
 
 impl VsState {
@@ -455,7 +458,17 @@ impl VsState {
             persistence: crate::persist::Persistence::None,
             cookie_name: String::new(),
             cookies: Vec::new(),
+            proxy_from: Default::default(),
         }
+    }
+
+    /// Sets the addresses whose connections carry a PROXY header.
+    pub fn with_proxy_from(
+        mut self,
+        peers: std::sync::Arc<std::collections::HashSet<std::net::IpAddr>>,
+    ) -> Self {
+        self.proxy_from = peers;
+        self
     }
 
     /// Sets the vserver's persistence (see `crate::persist`). COOKIE applies to

@@ -257,6 +257,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
     let node = node::Node::new("standalone".into(), listen.ip(), 0, node_opts(&a)?);
     start_custom_loads(&a, &node);
     node.configure(NodeConfig {
+        group_peers: Vec::new(),
         version: 1,
         vservers: vec![Vserver {
             name: "standalone".into(),

@@ -247,6 +247,14 @@ impl Node {
     /// Applies a full configuration. On error nothing changes.
     pub async fn configure(&self, cfg: NodeConfig) -> Result<u64, Status> {
         // Validate first.
+        let mut peers = std::collections::HashSet::new();
+        for p in &cfg.group_peers {
+            let ip: IpAddr = p.parse().map_err(|_| {
+                Status::invalid_argument(format!("group_peers: must be IP addresses, got {p:?}"))
+            })?;
+            peers.insert(ip);
+        }
+        let peers = Arc::new(peers);
         let mut desired: Vec<((u16, Transport), Kind, &lbscale_proto::Vserver)> = Vec::new();
         for v in &cfg.vservers {
             let kind = kind_of(v.service_type).ok_or_else(|| {
@@ -367,7 +375,10 @@ impl Node {
         // Update kept ones in place, open new ones.
         for (key, kind, v) in &desired {
             let prev = inner.listeners.get(key).map(|l| l.vs.state());
-            let state = Arc::new(self.build_state(v, *kind, prev.as_deref()));
+            let state = Arc::new(
+                self.build_state(v, *kind, prev.as_deref())
+                    .with_proxy_from(peers.clone()),
+            );
             self.service_drains(&v.name, prev.as_deref(), Some(&state));
             if let Some(l) = inner.listeners.get(key) {
                 l.vs.set_state(state);

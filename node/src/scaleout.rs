@@ -32,13 +32,16 @@
 //!   itself (every vserver, scaled out or not; HTTP counts connections, not
 //!   requests).
 //!
+//! - **The client's address**: every forwarded connection starts with a PROXY
+//!   protocol v2 header naming the client. A node reads and removes it from the
+//!   connections of its group's other nodes (`NodeConfig.group_peers`), whatever
+//!   its role or the vserver's persistence, so it never reaches a service, even
+//!   while a new configuration is being rolled out; nobody else's header is read.
 //! - **SOURCEIP persistence**: the primary keeps each client IP on the node it was
 //!   first routed to (itself or one secondary) while that node stays listed and
-//!   reachable, with the vserver's persistence timeout; a forwarded connection
-//!   starts with a PROXY protocol v2 header naming the client, which a SECONDARY
-//!   of a SOURCEIP vserver reads (waiting at most `persist::PROXY_WAIT` for a
-//!   connection's first bytes) so that its own table is keyed by the client, not
-//!   by the primary. See `crate::persist`.
+//!   reachable, with the vserver's persistence timeout; a secondary keys its own
+//!   table by the client the header names, not by the primary. See
+//!   `crate::persist`.
 //!
 //! UDP vservers are scaled out the same way per flow (a client address): the
 //! primary relays a forwarded flow's datagrams to the secondary from its own
@@ -50,7 +53,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -264,9 +267,6 @@ struct Inner {
 pub struct Scaleout {
     served: AtomicU64,
     inner: Mutex<Inner>,
-    /// This node is a SECONDARY of the vserver (it reads the PROXY header a
-    /// SOURCEIP primary sends).
-    secondary: AtomicBool,
     /// SOURCEIP on a primary: client IP → the node it was routed to (None: the
     /// primary itself, else the secondary's address).
     affinity: crate::persist::Table<IpAddr, Option<String>>,
@@ -314,14 +314,8 @@ impl Scaleout {
         Scaleout {
             served: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
-            secondary: AtomicBool::new(false),
             affinity: crate::persist::Table::new(persistence_timeout, crate::persist::MAX_ENTRIES),
         }
-    }
-
-    /// Whether this node is a SECONDARY of the vserver.
-    pub fn is_secondary(&self) -> bool {
-        self.secondary.load(Ordering::Relaxed)
     }
 
     /// Forgets where a SOURCEIP client was routed (its secondary failed).
@@ -333,10 +327,6 @@ impl Scaleout {
     /// only, or is gone). Secondaries no longer listed start their scale-in.
     pub fn update(&self, vserver: &str, port: u16, cfg: Option<&lbscale_proto::Scaleout>) {
         let primary = cfg.filter(|c| c.role == ScaleoutRole::Primary as i32);
-        self.secondary.store(
-            cfg.is_some_and(|c| c.role == ScaleoutRole::Secondary as i32),
-            Ordering::Relaxed,
-        );
         let timeout = match cfg.map(|c| c.scalein_timeout_ms).unwrap_or(0) {
             0 => Duration::from_millis(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
             ms => Duration::from_millis(ms),
@@ -545,19 +535,13 @@ impl Drop for ActiveGuard {
 /// client; a secondary of a SOURCEIP vserver reads that header (when there is
 /// one) and keys its persistence by the client it names.
 pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
-    let sticky = vs.state().persistence == Persistence::SourceIp;
-    let mut client = match vs.scaleout.route(from.ip(), sticky) {
-        Route::Local => client,
-        Route::Forward(peer) => match forward(client, from, &vs, peer, sticky).await {
-            Ok(()) => return,
-            Err(client) => {
-                vs.scaleout.forget(from.ip());
-                client
-            }
-        },
-    };
+    let mut client = client;
+    // A connection from another node of the group (its primary forwarding a
+    // client) starts with a PROXY header naming the client: read and removed
+    // here, whatever this node's role or the vserver's persistence, so that it
+    // never reaches a service. Nobody else's header is read.
     let mut source = from.ip();
-    if sticky && vs.scaleout.is_secondary() {
+    if vs.state().proxy_from.contains(&from.ip()) {
         match crate::persist::read_proxy_header(&mut client).await {
             Ok(Some(ip)) => source = ip,
             Ok(None) => {}
@@ -567,6 +551,19 @@ pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
             }
         }
     }
+    let sticky = vs.state().persistence == Persistence::SourceIp;
+    let client = match vs.scaleout.route(source, sticky) {
+        Route::Local => client,
+        // Every forwarded connection names its client (the secondary has this
+        // node among its group peers and removes the header).
+        Route::Forward(peer) => match forward(client, from, &vs, peer, true).await {
+            Ok(()) => return,
+            Err(client) => {
+                vs.scaleout.forget(source);
+                client
+            }
+        },
+    };
     vs.scaleout.count_served();
     match vs.state().kind {
         Kind::Http => crate::http::serve_conn(client, from, source, vs).await,

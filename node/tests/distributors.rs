@@ -289,6 +289,7 @@ async fn nlb_flow_hash_spreads_flows_over_the_nodes() {
     for ip in nodes {
         let mut cl = api_client(ip).await;
         cl.configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 1,
             vservers: vec![Vserver {
                 name: "app".into(),

@@ -72,6 +72,7 @@ async fn configure(cl: &mut Client, version: u64, v: Vserver) {
         Duration::from_secs(5),
         cl.configure(NodeConfig {
             version,
+            group_peers: Vec::new(),
             vservers: vec![v],
         }),
     )

@@ -53,10 +53,18 @@ fn vserver(
 
 async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
     let mut cl = api_client(ip).await;
-    tokio::time::timeout(T, cl.configure(NodeConfig { version, vservers }))
-        .await
-        .expect("Configure within 5 s")
-        .unwrap_or_else(|e| panic!("Configure {ip}: {e}"));
+    let group_peers = test_group_peers(ip);
+    tokio::time::timeout(
+        T,
+        cl.configure(NodeConfig {
+            version,
+            vservers,
+            group_peers,
+        }),
+    )
+    .await
+    .expect("Configure within 5 s")
+    .unwrap_or_else(|e| panic!("Configure {ip}: {e}"));
 }
 
 async fn requests_total(ip: &str, service: &str) -> u64 {

@@ -128,7 +128,11 @@ async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
     let mut cl = api_client(ip).await;
     tokio::time::timeout(
         Duration::from_secs(5),
-        cl.configure(NodeConfig { version, vservers }),
+        cl.configure(NodeConfig {
+            version,
+            vservers,
+            group_peers: test_group_peers(ip),
+        }),
     )
     .await
     .expect("Configure within 5 s")
@@ -504,6 +508,7 @@ async fn invalid_scaleout_is_refused() {
     let mut so = primary(&[0.5, -0.5], &["127.86.4.2"], 0);
     let r = cl
         .configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 1,
             vservers: vec![vserver(
                 "tcp",
@@ -527,6 +532,7 @@ async fn invalid_scaleout_is_refused() {
     ];
     let r = cl
         .configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 2,
             vservers: vec![vserver(
                 "tcp",
@@ -542,6 +548,7 @@ async fn invalid_scaleout_is_refused() {
     let so = primary(&[0.5, 0.5], &["127.86.4.1"], 0);
     let r = cl
         .configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 3,
             vservers: vec![vserver(
                 "tcp",
@@ -696,4 +703,77 @@ async fn a_joining_secondarys_overflow_to_its_primary_does_not_loop() {
         p.total_connections
     );
     drop(opened);
+}
+
+/// A PROXY v2 header naming `client`, as a primary sends before a forwarded
+/// connection (the test builds the bytes itself, from the PROXY protocol spec).
+fn proxy_v2(client: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    let (SocketAddr::V4(c), SocketAddr::V4(d)) = (client, dst) else {
+        panic!("IPv4 only here")
+    };
+    let mut h = b"\r\n\r\n\0\r\nQUIT\n".to_vec();
+    h.extend_from_slice(&[0x21, 0x11, 0, 12]);
+    h.extend_from_slice(&c.ip().octets());
+    h.extend_from_slice(&d.ip().octets());
+    h.extend_from_slice(&c.port().to_be_bytes());
+    h.extend_from_slice(&d.port().to_be_bytes());
+    h
+}
+
+/// What a TCP vserver passes on to its echo backend when a connection starts
+/// with a PROXY header and `ping\n`, from `local` (the client's address).
+async fn echoed_through(vip: SocketAddr, local: &str) -> Vec<u8> {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{local}:0").parse().unwrap()).unwrap();
+    let mut s = tokio::time::timeout(Duration::from_secs(5), sock.connect(vip))
+        .await
+        .expect("connect within 5 s")
+        .unwrap();
+    let mut out = proxy_v2("203.0.113.7:4242".parse().unwrap(), vip);
+    out.extend_from_slice(b"ping\n");
+    s.write_all(&out).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+        .await
+        .expect("the echo within 5 s")
+        .unwrap();
+    got
+}
+
+/// A node removes the PROXY header of a connection from another node of its
+/// group whatever its role (here none: a secondary just dropped from a span, say,
+/// while its primary still forwards), so that it never reaches a service; from
+/// any other address the bytes are the client's and go through untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_header_is_removed_from_group_peers_only() {
+    let (_p, _d) = start_serve("proxyhdr", "127.86.6.1", &["--health-interval-ms", "0"]);
+    let _b = tcp_backend("127.86.6.100:9000", "echo").await;
+    configure(
+        "127.86.6.1",
+        1,
+        vec![vserver(
+            "tcp",
+            ServiceType::Tcp,
+            8080,
+            "127.86.6.100:9000",
+            None,
+        )],
+    )
+    .await;
+    let vip: SocketAddr = "127.86.6.1:8080".parse().unwrap();
+    // 127.86.6.2 is a group peer (test_group_peers): header removed.
+    let from_peer = echoed_through(vip, "127.86.6.2").await;
+    assert_eq!(
+        from_peer,
+        b"echo\nping\n",
+        "{:?}",
+        String::from_utf8_lossy(&from_peer)
+    );
+    // 127.0.0.5 is not: the backend gets every byte the client sent.
+    let from_client = echoed_through(vip, "127.0.0.5").await;
+    let mut want = b"echo\n".to_vec();
+    want.extend_from_slice(&proxy_v2("203.0.113.7:4242".parse().unwrap(), vip));
+    want.extend_from_slice(b"ping\n");
+    assert_eq!(from_client, want);
 }

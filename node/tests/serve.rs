@@ -107,11 +107,15 @@ fn vserver(name: &str, t: ServiceType, port: u16, m: LbMethod, services: Vec<Ser
 }
 
 async fn configure(c: &mut Client, version: u64, vservers: Vec<Vserver>) -> u64 {
-    c.configure(NodeConfig { version, vservers })
-        .await
-        .expect("configure")
-        .into_inner()
-        .applied_version
+    c.configure(NodeConfig {
+        version,
+        vservers,
+        ..Default::default()
+    })
+    .await
+    .expect("configure")
+    .into_inner()
+    .applied_version
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,6 +129,7 @@ async fn wrong_or_missing_token_is_refused() {
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
     let e = bad
         .configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 1,
             vservers: vec![],
         })
@@ -396,6 +401,7 @@ async fn tcp_relay_round_robin_and_bind_failure() {
     let _blocker = std::net::TcpListener::bind("127.77.3.1:9100").unwrap();
     let e = cl
         .configure(NodeConfig {
+            group_peers: Vec::new(),
             version: 2,
             vservers: vec![
                 vserver(

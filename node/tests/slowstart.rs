@@ -57,6 +57,7 @@ fn node_config(
         .collect();
     NodeConfig {
         version,
+        group_peers: Vec::new(),
         vservers: vec![Vserver {
             name: "web".into(),
             service_type: ServiceType::Http as i32,

@@ -449,3 +449,12 @@ impl Load {
         self.errors.load(Ordering::Relaxed)
     }
 }
+
+/// The group peers of a test node: every address 1-20 of its /24, where the
+/// tests of a file put their nodes (clients connect from 127.0.0.1, backends
+/// are .100 and up), so that a primary's forwarded connections, which start
+/// with a PROXY header, are recognised as such.
+pub fn test_group_peers(ip: &str) -> Vec<String> {
+    let prefix = ip.rsplit_once('.').expect("an IPv4 address").0;
+    (1..=20).map(|i| format!("{prefix}.{i}")).collect()
+}
