@@ -4,12 +4,14 @@
 //! | `sslmode` | encrypted | server authenticated |
 //! |---|---|---|
 //! | `disable` | no | no |
-//! | `prefer` (default) | if the server offers TLS | no |
+//! | `prefer` (default) | if the server offers TLS (plain if its handshake fails) | no |
 //! | `require` | yes | only with `sslrootcert` (then as `verify-ca`) |
 //! | `verify-ca` | yes | certificate chain to `sslrootcert` |
 //! | `verify-full` | yes | chain to `sslrootcert`, and the host name (or IP) |
 //!
-//! `sslrootcert=PATH` is a PEM file of the CA certificate(s) to trust; the
+//! `sslrootcert=PATH` is a PEM file of the CA certificate(s) to trust (not the
+//! server's own certificate: webpki refuses a CA as an end entity; and names
+//! are checked against the subject alternative names only); the
 //! verifying modes need it (libpq would look in `~/.postgresql/root.crt`; a
 //! store should say which CA it trusts). rustls with the `ring` provider does
 //! the work (already in the build for tonic); a server certificate is never
