@@ -54,19 +54,6 @@ async fn services_hit(vip: &str, n: usize) -> Vec<String> {
     v
 }
 
-async fn requests_total(cl: &mut Client, service: &str) -> u64 {
-    let s = tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest {}))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner();
-    s.services
-        .iter()
-        .find(|x| x.service == service)
-        .unwrap_or_else(|| panic!("no stats for {service}"))
-        .requests_total
-}
-
 async fn wait_log(dir: &std::path::Path, needle: &str, timeout: Duration) -> String {
     let end = Instant::now() + timeout;
     loop {

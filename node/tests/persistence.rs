@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use lbscale_proto::{
-    LbMethod, NodeConfig, Scaleout, ScaleoutPeer, ScaleoutRole, Service, ServiceType, StatsRequest,
-    Vserver,
+    LbMethod, NodeConfig, Scaleout, ScaleoutPeer, ScaleoutRole, Service, ServiceType, Vserver,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket};
@@ -65,20 +64,6 @@ async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
     .await
     .expect("Configure within 5 s")
     .unwrap_or_else(|e| panic!("Configure {ip}: {e}"));
-}
-
-async fn requests_total(ip: &str, service: &str) -> u64 {
-    let mut cl = api_client(ip).await;
-    let s = tokio::time::timeout(T, cl.get_stats(StatsRequest {}))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner();
-    s.services
-        .iter()
-        .find(|x| x.service == service)
-        .unwrap_or_else(|| panic!("no stats for {service}"))
-        .requests_total
 }
 
 /// A connection to `to` from `from` (an address of the loopback network).
@@ -168,7 +153,7 @@ async fn cookie_keeps_a_client_on_its_backend_until_it_is_disabled() {
 
     // With the cookie: always the same backend, no new cookie, whatever the LB
     // method (round robin) would have done.
-    let before = requests_total(ip, &kept).await;
+    let before = requests_total(&mut api_client(ip).await, &kept).await;
     for i in 0..20 {
         let r = get(me, vip, Some(&format!("other=1; {cookie}"))).await;
         assert_eq!(served_by(&r), kept, "request {i} with the cookie");
@@ -178,7 +163,7 @@ async fn cookie_keeps_a_client_on_its_backend_until_it_is_disabled() {
         );
     }
     assert!(
-        requests_total(ip, &kept).await >= before + 20,
+        requests_total(&mut api_client(ip).await, &kept).await >= before + 20,
         "persistent requests count in the service's statistics"
     );
 

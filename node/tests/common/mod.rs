@@ -458,3 +458,20 @@ pub fn test_group_peers(ip: &str) -> Vec<String> {
     let prefix = ip.rsplit_once('.').expect("an IPv4 address").0;
     (1..=20).map(|i| format!("{prefix}.{i}")).collect()
 }
+
+/// A service's `requests_total` as the node reports it (GetStats).
+pub async fn requests_total(cl: &mut Client, service: &str) -> u64 {
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.get_stats(lbscale_proto::StatsRequest {}),
+    )
+    .await
+    .expect("GetStats within 5 s")
+    .expect("GetStats")
+    .into_inner();
+    s.services
+        .iter()
+        .find(|x| x.service == service)
+        .unwrap_or_else(|| panic!("no stats for {service}"))
+        .requests_total
+}
