@@ -305,6 +305,59 @@ pub fn span_for_cpu(
     }
 }
 
+/// Evaluations in a row that asked to move a span the same way (see
+/// [`span_streak_step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpanStreak {
+    /// True while the evaluations ask for more nodes, false for fewer.
+    pub grow: bool,
+    /// How many evaluations in a row asked to move this way.
+    pub count: u32,
+    /// Of the spans they asked for, the one closest to the current span: what
+    /// every evaluation of the streak agreed on at least.
+    pub agreed: u32,
+}
+
+/// One evaluation of a span's streak: the span wanted now (from
+/// [`span_for_cpu`]) against the current one. A span moves only after
+/// `watch_samples` evaluations in a row asked to move it the same way, and then
+/// by no more than all of them asked for. The streak counts the direction, not
+/// the exact span: a load near a boundary that asks for 2, 3, 2 nodes has asked
+/// for growth three times, and gets 2. Returns the streak to keep and, when it
+/// completes, the new span.
+pub fn span_streak_step(
+    streak: Option<SpanStreak>,
+    current_span: u32,
+    wanted: u32,
+    watch_samples: u32,
+) -> (Option<SpanStreak>, Option<u32>) {
+    if wanted == current_span {
+        return (None, None);
+    }
+    let grow = wanted > current_span;
+    let next = match streak {
+        Some(s) if s.grow == grow => SpanStreak {
+            grow,
+            count: s.count + 1,
+            agreed: if grow {
+                s.agreed.min(wanted)
+            } else {
+                s.agreed.max(wanted)
+            },
+        },
+        _ => SpanStreak {
+            grow,
+            count: 1,
+            agreed: wanted,
+        },
+    };
+    if next.count >= watch_samples.max(1) {
+        (None, Some(next.agreed))
+    } else {
+        (Some(next), None)
+    }
+}
+
 /// Where packets of the leaving secondary's remaining flows go once it has closed them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -439,6 +492,35 @@ mod tests {
         assert_eq!(span_for_cpu(&native, &[95.0, 95.0], 4, 80.0, 1, 4).nodes, 4);
         // Idle, it shrinks to what carries the load.
         assert_eq!(span_for_cpu(&native, &[1.0, 1.0], 4, 80.0, 1, 4).nodes, 1);
+    }
+
+    #[test]
+    fn a_span_moves_after_a_streak_in_one_direction_by_what_all_asked() {
+        // Asked for 3, 2, 4 nodes from a span of 1 over 3 samples: it grows to
+        // 2, the least every evaluation asked for.
+        let (s, moved) = span_streak_step(None, 1, 3, 3);
+        assert_eq!(moved, None);
+        let (s, moved) = span_streak_step(s, 1, 2, 3);
+        assert_eq!(moved, None);
+        let (s, moved) = span_streak_step(s, 1, 4, 3);
+        assert_eq!((s, moved), (None, Some(2)));
+        // A sample that asks for the current span breaks the streak.
+        let (s, _) = span_streak_step(None, 2, 3, 2);
+        let (s, moved) = span_streak_step(s, 2, 2, 2);
+        assert_eq!((s, moved), (None, None));
+        let (_, moved) = span_streak_step(s, 2, 3, 2);
+        assert_eq!(moved, None, "the streak started again");
+        // A change of direction starts a new streak.
+        let (s, _) = span_streak_step(None, 2, 3, 2);
+        let (s, moved) = span_streak_step(s, 2, 1, 2);
+        assert_eq!(moved, None);
+        assert_eq!(s.map(|s| (s.grow, s.count)), Some((false, 1)));
+        // Shrinking keeps the largest span asked for.
+        let (s, _) = span_streak_step(None, 4, 1, 2);
+        let (_, moved) = span_streak_step(s, 4, 3, 2);
+        assert_eq!(moved, Some(3));
+        // watch_samples 0 or 1: the first evaluation moves it.
+        assert_eq!(span_streak_step(None, 1, 2, 0).1, Some(2));
     }
 
     #[test]

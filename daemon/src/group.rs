@@ -8,6 +8,7 @@ use lbscale_core::policy::{
     self, Action, AzState, Decision, EventKind, Metric, Observation, Phase, PhaseKind,
     PolicyConfig, PolicySpec, ProvisionOutcome, Sample,
 };
+use lbscale_core::seplan::SpanStreak;
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::nodeapi::NodeClient;
 use lbscale_engine::reconcile::{GroupView, KeptLease, SpanView};
@@ -65,10 +66,10 @@ pub struct GroupRuntime {
     resumed: bool,
     /// Failed resumes in a row and when the next one is due.
     resume_backoff: ResumeBackoff,
-    /// Per (vserver id, AZ): the span the last evaluations asked for and how
-    /// many in a row asked for it. A span changes after `watch_samples` of
-    /// them, as the group itself scales only on a confirmed breach.
-    span_streaks: HashMap<(String, String), (u32, u32)>,
+    /// Per (vserver id, AZ): the evaluations in a row that asked to move its
+    /// span one way. A span changes after `watch_samples` of them, as the
+    /// group itself scales only on a confirmed breach.
+    span_streaks: HashMap<(String, String), SpanStreak>,
 }
 
 impl Default for GroupRuntime {
@@ -771,7 +772,7 @@ fn span_target_cpu(spec: &GroupSpec) -> f64 {
 struct SpanPolicy {
     /// Percent CPU the holders should stay under.
     target_cpu: f64,
-    /// Evaluations in a row that must ask for the same new span.
+    /// Evaluations in a row that must ask to move a span the same way.
     watch_samples: u32,
     /// False while the AZ's own scaling is busy: spans are reported, not changed.
     may_resize: bool,
@@ -790,7 +791,7 @@ async fn size_spans(
     views: &[SpanView],
     answers: &HashMap<String, NodeStats>,
     policy: SpanPolicy,
-    streaks: &mut HashMap<(String, String), (u32, u32)>,
+    streaks: &mut HashMap<(String, String), SpanStreak>,
 ) -> Vec<VserverSpan> {
     let mut out = Vec::new();
     streaks.retain(|(v, a), _| a != az || views.iter().any(|x| &x.vserver_id == v));
@@ -817,7 +818,7 @@ async fn size_spans(
             )),
             _ => None,
         };
-        let Some(want) = want.filter(|w| w.nodes != v.span) else {
+        let Some(want) = want else {
             streaks.remove(&key);
             out.push(VserverSpan {
                 vserver: v.vserver.clone(),
@@ -829,32 +830,35 @@ async fn size_spans(
             });
             continue;
         };
-        let streak = streaks.entry(key.clone()).or_insert((want.nodes, 0));
-        if streak.0 != want.nodes {
-            *streak = (want.nodes, 0);
+        let (streak, moved) = lbscale_core::seplan::span_streak_step(
+            streaks.remove(&key),
+            v.span,
+            want.nodes,
+            policy.watch_samples,
+        );
+        if let Some(streak) = streak {
+            streaks.insert(key, streak);
         }
-        streak.1 += 1;
-        if streak.1 >= policy.watch_samples.max(1) {
-            streaks.remove(&key);
+        if let Some(to) = moved {
             let target_cpu = policy.target_cpu;
             let reason = format!(
                 "vserver {}: span {} -> {} node(s): its {} holder(s) at {:.1} % CPU on average, target {:.0} %{}",
                 v.vserver,
                 v.span,
-                want.nodes,
+                to,
                 v.holders.len(),
                 mean.unwrap_or(0.0),
                 target_cpu,
-                if want.saturated { " (max_scaleout_per_vs reached: saturated)" } else { "" }
+                if want.saturated && to == want.nodes { " (max_scaleout_per_vs reached: saturated)" } else { "" }
             );
             match shared
                 .engine
-                .set_vserver_span(group_id, &v.vserver_id, az, want.nodes, &reason)
+                .set_vserver_span(group_id, &v.vserver_id, az, to, &reason)
                 .await
             {
                 Ok(()) => {
-                    tracing::info!(group = %name, az = %az, vserver = %v.vserver, from = v.span, to = want.nodes, %reason, "vserver span changed");
-                    span = want.nodes;
+                    tracing::info!(group = %name, az = %az, vserver = %v.vserver, from = v.span, to, %reason, "vserver span changed");
+                    span = to;
                 }
                 Err(e) => {
                     tracing::warn!(group = %name, az = %az, vserver = %v.vserver, error = %e, "could not change the vserver's span");

@@ -513,14 +513,25 @@ pub fn dig(server: &str, name: &str) -> Vec<String> {
 
 /// Polls `f` until it returns `Some`, at most `timeout`; panics naming `what`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    wait_showing(what, timeout, || f().ok_or("nothing"))
+}
+
+/// As [`wait_for`], where `f` says what it saw instead: a timeout names the
+/// last thing seen, so that a failure in CI says how far it got.
+pub fn wait_showing<T, S: std::fmt::Debug>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<T, S>,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(v) = f() {
-            return v;
-        }
+        let seen = match f() {
+            Ok(v) => return v,
+            Err(seen) => seen,
+        };
         assert!(
             Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
+            "timed out after {timeout:?} waiting for {what}; last seen: {seen:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -649,6 +660,7 @@ fn serve_big(mut s: TcpStream) {
 
 /// HTTP GETs of a 64 KiB body through `ip:8080`, two threads, ~50 requests/s
 /// each (tens of Mbps), until stopped or dropped; `stop` returns the full answers.
+/// [`Load::start_with`] sets the threads and the pause between requests.
 pub struct Load {
     stop: Arc<AtomicBool>,
     ok: Arc<AtomicU64>,
@@ -657,9 +669,12 @@ pub struct Load {
 
 impl Load {
     pub fn start(ip: &str, host: &str) -> Load {
+        Load::start_with(ip, host, 2, Duration::from_millis(20))
+    }
+    pub fn start_with(ip: &str, host: &str, threads: usize, pause: Duration) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let ok = Arc::new(AtomicU64::new(0));
-        let threads = (0..2)
+        let threads = (0..threads)
             .map(|_| {
                 let (stop, ok) = (stop.clone(), ok.clone());
                 let (ip, host) = (ip.to_string(), host.to_string());
@@ -670,7 +685,7 @@ impl Load {
                                 ok.fetch_add(1, Ordering::Relaxed);
                             }
                         }
-                        std::thread::sleep(Duration::from_millis(20));
+                        std::thread::sleep(pause);
                     }
                 })
             })

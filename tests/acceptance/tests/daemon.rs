@@ -479,15 +479,15 @@ output "address" {{ value = lbscale_traffic_distributor.d.address }}
         );
     }
 
-    // Two load generators (about 200 requests/s of 64 KiB): several times the
-    // target on the primary, while an idle node stays at 0-1 %.
-    let load = Load::start(&vip, "dspan.lbscale.test");
-    let load2 = Load::start(&vip, "dspan.lbscale.test");
+    // Six threads of 64 KiB requests: about 20 % of a core on the primary
+    // (debug build, this machine), well over the target, while an idle node
+    // stays at 0-1 %. The node measures its CPU in whole percents.
+    let load = Load::start_with(&vip, "dspan.lbscale.test", 6, Duration::from_millis(5));
     // At least 2: the load may ask for more nodes than the AZ's 2 at once.
-    let (grown_to, cpu) = wait_for(
+    let (grown_to, cpu) = wait_showing(
         "the span to grow under load",
         Duration::from_secs(40),
-        || span(&daemon).filter(|(s, _)| *s >= 2),
+        span_history(&daemon, &span, |s| s >= 2),
     );
     eprintln!(
         "MEASURE span 1 -> {grown_to} at the holders' mean CPU {cpu:?} % (target {SPAN_CPU} %)"
@@ -536,12 +536,12 @@ output "address" {{ value = lbscale_traffic_distributor.d.address }}
                 .then_some(())
         },
     );
-    assert!(load.stop() + load2.stop() > 0, "the load got answers");
+    assert!(load.stop() > 0, "the load got answers");
 
-    wait_for(
+    wait_showing(
         "the span to shrink when idle",
         Duration::from_secs(40),
-        || span(&daemon).filter(|(s, _)| *s == 1),
+        span_history(&daemon, &span, |s| s == 1),
     );
     ws.assert_plan_empty("after the span changes");
     daemon.stop();
@@ -549,6 +549,29 @@ output "address" {{ value = lbscale_traffic_distributor.d.address }}
     ws.assert_nothing_left(&[]);
 }
 
-/// The `cpu` max of the span test's group, percent: above what an idle node
-/// uses, below what the load generator costs the primary.
-const SPAN_CPU: u32 = 5;
+/// A wait on the span that `span` reads from the daemon until `done(span)`;
+/// while it waits, what it saw is the list of distinct (span, holders' mean
+/// CPU) readings, so that a timeout says where the CPU was.
+#[allow(clippy::type_complexity)]
+fn span_history<'a>(
+    daemon: &'a Daemon,
+    span: &'a dyn Fn(&Daemon) -> Option<(u64, Option<f64>)>,
+    done: impl Fn(u64) -> bool + 'a,
+) -> impl FnMut() -> Result<(u64, Option<f64>), Vec<Option<(u64, Option<f64>)>>> + 'a {
+    let mut seen: Vec<Option<(u64, Option<f64>)>> = Vec::new();
+    move || {
+        let now = span(daemon);
+        if let Some((s, cpu)) = now.filter(|(s, _)| done(*s)) {
+            return Ok((s, cpu));
+        }
+        if seen.last() != Some(&now) {
+            seen.push(now);
+        }
+        Err(seen.clone())
+    }
+}
+
+/// The `cpu` max of the span test's group, percent: well above what an idle
+/// node uses (0-1 %), well below what the test's load costs the primary (about
+/// 20 %); at 5 % the load sat on the threshold and CI timed out.
+const SPAN_CPU: u32 = 8;
