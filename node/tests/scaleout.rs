@@ -679,7 +679,11 @@ async fn a_joining_secondarys_overflow_to_its_primary_does_not_loop() {
     configure("127.91.1.2", 1, vec![joining]).await;
 
     let n = 200;
+    let started = std::time::Instant::now();
     let opened = fan_out(n, 20, |_| tcp_open("127.91.1.1:9000")).await;
+    // What the held rate (1/s) allows the joining node over the run, plus its
+    // first token and one for a second that had begun.
+    let held = started.elapsed().as_secs() as usize + 2;
     let sources: Vec<String> = opened.iter().map(|(_, src)| src.clone()).collect();
     let by_source = count(&sources);
     assert_eq!(sources.len(), n);
@@ -692,10 +696,12 @@ async fn a_joining_secondarys_overflow_to_its_primary_does_not_loop() {
     );
     // Every client connection reached the backend once: the primary served what
     // the joining node passed back (the backend saw the primary as the source).
-    // The joining node itself serves at most its held rate (1/s, plus a token).
+    // The joining node itself serves at most its held rate (1/s, plus a token):
+    // bounded by the run's length, which a loaded machine stretches.
     assert!(
-        by_source.get("127.91.1.1").copied().unwrap_or(0) >= n - 3,
-        "sources seen by the backend: {by_source:?}"
+        by_source.get("127.91.1.2").copied().unwrap_or(0) <= held
+            && by_source.get("127.91.1.1").copied().unwrap_or(0) >= n - held,
+        "sources seen by the backend: {by_source:?} (the joining node may serve {held})"
     );
     assert!(
         p.total_connections <= (n as f64 + want + 3.0) as u64,
