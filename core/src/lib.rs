@@ -10,7 +10,8 @@
 //! - [`simulate`]: the what-if driver (metric trace in, timeline out);
 //! - [`slowstart`]: caps and request shares of new services under slow start;
 //! - [`seplan`]: how many nodes a vserver spans and which share each serves;
-//! - [`error`]: configuration errors that name their field.
+//! - [`error`]: configuration errors that name their field;
+//! - [`utc`]: calendar dates from Unix time.
 
 pub mod duration;
 pub mod error;
@@ -19,3 +20,4 @@ pub mod policy;
 pub mod seplan;
 pub mod simulate;
 pub mod slowstart;
+pub mod utc;

@@ -34,23 +34,15 @@ pub struct State {
 
 /// RFC 3339 UTC with milliseconds, from Unix milliseconds.
 fn rfc3339(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let t = lbscale_core::utc::UtcTime::from_unix_seconds(ms.div_euclid(1000));
     format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        t.year,
+        t.month,
+        t.day,
+        t.hour,
+        t.minute,
+        t.second,
         ms.rem_euclid(1000)
     )
 }
@@ -108,7 +100,7 @@ impl DataSource for GroupDataSource {
                 return None;
             }
         };
-        let view = match engine.group_view(&row.id) {
+        let view = match engine.group_view(&row.id).await {
             Ok(Some(v)) => v,
             Ok(None) => {
                 error(
