@@ -1,5 +1,6 @@
 //! gRPC management API (`NodeApi`) with bearer-token authentication.
 
+use sha2::Digest;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,16 +58,56 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// What the token file holds: the token itself, or `sha256:HEX`, the SHA-256 of
+/// the token, so that a node whose configuration others can read (a cloud
+/// instance's user data) never holds the secret itself.
+#[derive(Clone)]
+pub enum ExpectedToken {
+    /// `Bearer TOKEN`, as the header carries it.
+    Plain(Arc<Vec<u8>>),
+    Sha256([u8; 32]),
+}
+
+impl ExpectedToken {
+    /// From the token file's (trimmed) content; an error says what is wrong.
+    pub fn parse(content: &str) -> Result<ExpectedToken, String> {
+        let Some(hex) = content.strip_prefix("sha256:") else {
+            return Ok(ExpectedToken::Plain(Arc::new(
+                format!("Bearer {content}").into_bytes(),
+            )));
+        };
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .filter_map(|i| {
+                hex.get(i..i + 2)
+                    .and_then(|b| u8::from_str_radix(b, 16).ok())
+            })
+            .collect();
+        match <[u8; 32]>::try_from(bytes.as_slice()) {
+            Ok(h) if hex.len() == 64 => Ok(ExpectedToken::Sha256(h)),
+            _ => Err("sha256: must be followed by 64 hex digits".into()),
+        }
+    }
+
+    fn accepts(&self, header: &[u8]) -> bool {
+        match self {
+            ExpectedToken::Plain(expected) => ct_eq(header, expected),
+            ExpectedToken::Sha256(hash) => header
+                .strip_prefix(b"Bearer ")
+                .is_some_and(|token| ct_eq(&sha2::Sha256::digest(token), hash)),
+        }
+    }
+}
+
 #[allow(clippy::result_large_err)] // tonic's interceptor signature
 pub fn interceptor(
-    token: String,
+    expected: ExpectedToken,
 ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Send + Sync + Clone + 'static {
-    let expected: Arc<Vec<u8>> = Arc::new(format!("Bearer {token}").into_bytes());
     move |req: Request<()>| {
         let ok = req
             .metadata()
             .get(AUTH_HEADER)
-            .map(|v| ct_eq(v.as_bytes(), &expected))
+            .map(|v| expected.accepts(v.as_bytes()))
             .unwrap_or(false);
         if ok {
             Ok(req)

@@ -30,6 +30,9 @@ usage:
   lbscale-node nlb --config FILE --status FILE
   lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [--persistence NONE|COOKIE|SOURCEIP] [NODE OPTIONS]
 
+serve's --token-file holds the management API's bearer token, or sha256:HEX, the
+SHA-256 of the token (64 hex digits), so that the file need not hold the secret.
+
 node options (serve, standalone):
   --health-interval-ms N   TCP-connect health check of every service every N ms (default 1000; 0 = off)
   --health-fall K          consecutive failures that take a service DOWN (default 3)
@@ -178,6 +181,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     if token.is_empty() {
         bail!("token file {} is empty", token_file.display());
     }
+    let token = api::ExpectedToken::parse(&token)
+        .map_err(|e| anyhow!("token file {}: {e}", token_file.display()))?;
     let node = node::Node::new(node_id.clone(), ip, memory_limit_mb, node_opts(&a)?);
     start_custom_loads(&a, &node);
     let addr = SocketAddr::new(ip, api_port);

@@ -28,9 +28,14 @@ struct TestNode {
 }
 
 fn start_node(name: &str, ip: &str) -> TestNode {
+    start_node_with_token_file(name, ip, &format!("{TOKEN}\n"))
+}
+
+/// A node whose token file holds `content` (the token, or `sha256:HEX`).
+fn start_node_with_token_file(name: &str, ip: &str, content: &str) -> TestNode {
     let dir = tmpdir(name);
     let token_file = dir.join("token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    std::fs::write(&token_file, content).unwrap();
     let port = "7070";
     let mut proc = Proc::spawn(
         name,
@@ -155,6 +160,62 @@ async fn wrong_or_missing_token_is_refused() {
     );
     let log = std::fs::read_to_string(node.dir.join("node.log")).unwrap();
     assert!(!log.contains(TOKEN), "the token must never be logged");
+}
+
+/// A token file with the token's SHA-256 (as a cloud instance's user data
+/// carries it): the token is accepted, the hash itself and other tokens are not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_file_may_hold_the_tokens_sha256_only() {
+    use sha2::Digest;
+    let hex: String = sha2::Sha256::digest(TOKEN.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let hashed = format!("sha256:{hex}");
+    let node = start_node_with_token_file("authhash", "127.77.9.1", &format!("{hashed}\n"));
+    let s = client(&node)
+        .await
+        .get_stats(StatsRequest {})
+        .await
+        .expect("the token whose hash the file holds")
+        .into_inner();
+    assert_eq!(s.node_id, "authhash");
+    for wrong in [hashed.as_str(), hex.as_str(), "not-the-token"] {
+        let e = client_with(&node.api, Some(wrong))
+            .await
+            .get_stats(StatsRequest {})
+            .await
+            .expect_err("only the token itself is accepted");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{wrong}");
+    }
+    // A malformed hash is refused at start, naming the file.
+    let dir = tmpdir("authbad");
+    let bad = dir.join("token");
+    std::fs::write(&bad, "sha256:abc\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lbscale-node"))
+        .args([
+            "serve",
+            "--node-id",
+            "authbad",
+            "--listen-ip",
+            "127.77.9.2",
+            "--api-port",
+            "7070",
+        ])
+        .args([
+            "--token-file",
+            bad.to_str().unwrap(),
+            "--memory-limit-mb",
+            "64",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("64 hex digits") && err.contains("token"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
