@@ -3,7 +3,8 @@
 # acceptance tests that drive the real Terraform CLI against the freshly built
 # provider. Installs what it needs first (scripts/setup.sh), and starts a
 # throwaway PostgreSQL server for the PostgreSQL store's tests
-# (scripts/postgres.sh), stopped again when the suite ends.
+# (scripts/postgres.sh) and moto's server for the aws driver's tests
+# (scripts/moto.sh), stopped again when the suite ends.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -11,16 +12,31 @@ cd "$root"
 export LBSCALE_TERRAFORM="$root/.tools/bin/terraform"
 # Two cores: run test binaries with two threads each; the acceptance tests
 # pace themselves (each uses its own loopback prefix and store).
-if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
-    watcher=
+# What this script started, stopped at exit (and only that: a server given
+# through the environment is the caller's).
+started=()
+watcher=
+cleanup() {
     # `|| true`: under set -e a watcher that already ended must not cut the
-    # trap short before the server is stopped.
-    trap '{ [ -n "$watcher" ] && kill "$watcher" 2>/dev/null; } || true; "$root/scripts/postgres.sh" stop' EXIT
+    # cleanup short before the servers are stopped.
+    { [ -n "$watcher" ] && kill "$watcher" 2>/dev/null; } || true
+    for s in "${started[@]}"; do "$root/scripts/$s.sh" stop || true; done
+}
+trap cleanup EXIT
+if [ -z "${LBSCALE_TEST_POSTGRES_URL:-}" ]; then
+    started+=(postgres)
     LBSCALE_TEST_POSTGRES_URL=$("$root/scripts/postgres.sh" start)
     LBSCALE_TEST_POSTGRES_CA=$("$root/scripts/postgres.sh" ca)
     export LBSCALE_TEST_POSTGRES_URL LBSCALE_TEST_POSTGRES_CA
     "$root/scripts/postgres.sh" watch &
     watcher=$!
+fi
+# moto's server (a real implementation of the AWS APIs) for the aws driver's tests.
+if [ -z "${LBSCALE_TEST_AWS_ENDPOINT:-}" ]; then
+    started+=(moto)
+    LBSCALE_TEST_AWS_ENDPOINT=$("$root/scripts/moto.sh" start)
+    LBSCALE_TEST_AWS_CA=$("$root/scripts/moto.sh" ca)
+    export LBSCALE_TEST_AWS_ENDPOINT LBSCALE_TEST_AWS_CA
 fi
 # --no-fail-fast: one run reports every failing test binary, not only the first.
 cargo test --workspace --no-fail-fast -- --test-threads=2 "$@"

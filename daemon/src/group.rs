@@ -360,7 +360,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     //     fails is retried after a back-off, not at every interval; nothing is
     //     decided meanwhile.
     let leftover = if rt.resumed {
-        let view = match shared.engine.group_view(&id) {
+        let view = match shared.engine.group_view(&id).await {
             Ok(Some(v)) => v,
             Ok(None) => return,
             Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
@@ -452,7 +452,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
     }
 
     // 4. Observe.
-    let view = match shared.engine.group_view(&id) {
+    let view = match shared.engine.group_view(&id).await {
         Ok(Some(v)) => v,
         Ok(None) => return,
         Err(e) => return fail(&shared, &id, name, "read the group's nodes", e.to_string()),
@@ -664,7 +664,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
                 );
             }
             // Show what the workflow left, not what the tick started from.
-            if let Ok(Some(after)) = shared.engine.group_view(&id) {
+            if let Ok(Some(after)) = shared.engine.group_view(&id).await {
                 by_state = nodes_by_state(&after, az);
                 shared.metrics.set_az(name, az, &by_state, sample.as_ref());
             }

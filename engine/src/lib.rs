@@ -15,6 +15,8 @@
 pub mod cloud;
 pub mod fault;
 pub mod model;
+#[doc(hidden)]
+pub mod moto_testing;
 pub mod nodeapi;
 mod pgtls;
 pub mod placement;
@@ -23,5 +25,6 @@ mod sqldb;
 pub mod store;
 #[doc(hidden)]
 pub mod store_testing;
+mod tlsroots;
 
 pub use reconcile::{Engine, EngineError};

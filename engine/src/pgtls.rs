@@ -23,9 +23,8 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
 
 /// What `sslmode` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,29 +130,8 @@ impl TlsParams {
         let verifier: Arc<dyn ServerCertVerifier> = match &self.root_cert {
             None => Arc::new(EncryptOnly(provider.clone())),
             Some(path) => {
-                let mut roots = RootCertStore::empty();
-                let certs = CertificateDer::pem_file_iter(path)
-                    .map_err(|e| format!("sslrootcert: cannot read {}: {e}", path.display()))?;
-                for cert in certs {
-                    let cert = cert.map_err(|e| {
-                        format!(
-                            "sslrootcert: {} is not PEM certificates: {e}",
-                            path.display()
-                        )
-                    })?;
-                    roots.add(cert).map_err(|e| {
-                        format!(
-                            "sslrootcert: a certificate in {} is not usable: {e}",
-                            path.display()
-                        )
-                    })?;
-                }
-                if roots.is_empty() {
-                    return Err(format!(
-                        "sslrootcert: {} holds no certificate",
-                        path.display()
-                    ));
-                }
+                let roots =
+                    crate::tlsroots::pem_roots(path).map_err(|e| format!("sslrootcert: {e}"))?;
                 let webpki =
                     WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                         .build()

@@ -7,6 +7,7 @@
 //! there. Side effects on a group happen only under the group's lease, so that the
 //! provider and the daemon never act on one group at the same time.
 
+use crate::cloud::aws::{AwsCloud, AwsSettings};
 use crate::cloud::local::{LocalCloud, LocalSettings};
 use crate::cloud::{Cloud, CloudError, Distributor, ProvisionRequest, Publication};
 use crate::fault::fault_point;
@@ -127,6 +128,9 @@ pub struct DistributorView {
 pub struct Engine {
     pub store: Arc<Store>,
     local: LocalCloud,
+    /// The `aws` driver, or why it cannot be built (no region, no credentials):
+    /// said when a group or distributor on `aws` is used, not before.
+    aws: std::result::Result<AwsCloud, String>,
     holder: String,
     /// One operation per group at a time within this process. The store's lease
     /// excludes other processes, but it is held in this process's name, so two
@@ -241,6 +245,17 @@ fn new_token() -> String {
 impl Engine {
     /// Opens the store at `state_url` (relative paths from `base_dir`).
     pub fn open(state_url: &str, base_dir: &Path, local: LocalSettings) -> Result<Engine> {
+        Engine::open_with(state_url, base_dir, local, AwsSettings::from_env())
+    }
+
+    /// As [`Engine::open`], with the `aws` cloud's settings (the provider's
+    /// `aws` block over the environment).
+    pub fn open_with(
+        state_url: &str,
+        base_dir: &Path,
+        local: LocalSettings,
+        aws: AwsSettings,
+    ) -> Result<Engine> {
         let store = Arc::new(Store::open_url(state_url, base_dir)?);
         let holder = format!(
             "provider-{}-{:04x}",
@@ -249,15 +264,23 @@ impl Engine {
         );
         Ok(Engine {
             local: LocalCloud::new(local, store.clone()),
+            aws: AwsCloud::new(aws, store.clone()),
             store,
             holder,
             group_locks: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
 
+    fn aws_driver(&self) -> std::result::Result<&AwsCloud, CloudError> {
+        self.aws
+            .as_ref()
+            .map_err(|why| CloudError::Failed(format!("the aws cloud is not usable: {why}")))
+    }
+
     fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
         match name {
             "local" => Ok(&self.local),
+            "aws" => Ok(self.aws_driver()?),
             other => Err(CloudError::NotBuilt(other.to_string()).into()),
         }
     }
@@ -265,6 +288,7 @@ impl Engine {
     fn distributor_driver(&self, cloud: &str) -> Result<&dyn Distributor> {
         match cloud {
             "local" => Ok(&self.local),
+            "aws" => Ok(self.aws_driver()?),
             other => Err(CloudError::NotBuilt(other.to_string()).into()),
         }
     }
@@ -333,6 +357,13 @@ impl Engine {
     /// that uses it, and the ports of the vservers placed on those groups.
     fn publication(&self, distributor_id: &str) -> Result<Publication> {
         let mut p = Publication::default();
+        // Clients resolve a `dns` distributor's name to the nodes' public
+        // addresses (where the cloud gives them one); an `nlb` reaches them on
+        // their private ones.
+        let dns = self
+            .store
+            .distributor(distributor_id)?
+            .is_some_and(|d| d.spec.mode == "dns");
         for g in self.store.groups_of_distributor(distributor_id)? {
             let mut ports: Vec<u16> = self
                 .store
@@ -356,7 +387,10 @@ impl Engine {
                 p.endpoints
                     .entry(n.az.clone())
                     .or_default()
-                    .push(n.private_ip.clone());
+                    .push(match (&n.public_ip, dns) {
+                        (Some(public), true) => public.clone(),
+                        _ => n.private_ip.clone(),
+                    });
             }
             // SE scale-out: a port goes to its primary, or to its holders by flow
             // hash. Vservers of several groups on one port share it.
@@ -525,17 +559,17 @@ impl Engine {
         Ok(())
     }
 
-    pub fn group_view(&self, id: &str) -> Result<Option<GroupView>> {
+    /// The group and its nodes as they are now. A node whose liveness the
+    /// cloud could not tell is shown as the store has it.
+    pub async fn group_view(&self, id: &str) -> Result<Option<GroupView>> {
         let Some(row) = self.store.group(id)? else {
             return Ok(None);
         };
         let cloud = self.cloud(&row.spec.cloud)?;
-        let nodes = self
-            .store
-            .nodes_of_group(id)?
-            .into_iter()
-            .map(|n| {
-                let alive = cloud.is_alive(&n);
+        let mut nodes = Vec::new();
+        for n in self.store.nodes_of_group(id)? {
+            let alive = cloud.is_alive(&n).await.unwrap_or(true);
+            nodes.push({
                 let state = if n.state.is_member() && n.state != NodeState::Provisioning && !alive {
                     NodeState::Failed
                 } else {
@@ -549,8 +583,8 @@ impl Engine {
                     public_ip: n.public_ip,
                     state: state.as_str().to_string(),
                 }
-            })
-            .collect();
+            });
+        }
         Ok(Some(GroupView {
             id: row.id,
             spec: row.spec,
@@ -656,7 +690,7 @@ impl Engine {
         // 1. Observe: a member whose process is gone has failed; clean it up.
         let mut registration_changed = false;
         for mut n in self.store.nodes_of_group(id)? {
-            let dead = !cloud.is_alive(&n);
+            let dead = !cloud.is_alive(&n).await?;
             if n.state == NodeState::Failed || (n.state.is_member() && dead) {
                 lease.check()?;
                 registration_changed |= n.registered;
@@ -1300,7 +1334,7 @@ impl Engine {
         for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
             lease.check()?;
             let port = cloud.api_port(n);
-            if cloud.is_alive(n) {
+            if cloud.is_alive(n).await.unwrap_or(true) {
                 if let Ok(mut c) = NodeClient::connect(&n.private_ip, port, &token).await {
                     let left = drain_until.saturating_duration_since(Instant::now());
                     let _ = c.drain(left).await;

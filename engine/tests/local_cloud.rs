@@ -56,7 +56,7 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
         handle: p.handle.clone(),
         created_at: 0,
     };
-    assert!(cloud.is_alive(&row));
+    assert!(cloud.is_alive(&row).await.unwrap());
     let pid = p.handle["pid"].as_u64().unwrap() as u32;
 
     let mut client = NodeClient::connect(&p.private_ip, p.api_port, &token)
@@ -72,7 +72,7 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
 
     cloud.deprovision(&row).await.unwrap();
     assert!(!process_alive(pid, &req.node_id));
-    assert!(!cloud.is_alive(&row));
+    assert!(!cloud.is_alive(&row).await.unwrap());
     assert!(
         std::net::TcpStream::connect((p.private_ip.as_str(), p.api_port)).is_err(),
         "API still listening"

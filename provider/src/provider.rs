@@ -6,6 +6,7 @@ use crate::resources::{
     distributor::Distributor, group::Group, managed::Managed, se_group::SeGroup, vserver::Vserver,
 };
 use async_trait::async_trait;
+use lbscale_engine::cloud::aws::{api::Endpoint, parse_credentials, AwsSettings};
 use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
 use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 use lbscale_engine::Engine;
@@ -35,8 +36,29 @@ pub struct LocalBlock {
     pub node_binary: Value<String>,
 }
 
-/// Cloud blocks are accepted so that one module serves every cloud; their drivers
-/// come later. Credentials are sensitive and never reach the store.
+/// The `aws` block: where and how the aws driver calls AWS, and what nodes it
+/// starts. Every attribute falls back to AWS's usual environment variables
+/// (which is where the daemon takes them). Credentials are sensitive and never
+/// reach the store.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AwsBlock {
+    #[serde(default)]
+    pub region: Value<String>,
+    #[serde(default)]
+    pub endpoint: Value<String>,
+    #[serde(default)]
+    pub credentials: Value<String>,
+    #[serde(default)]
+    pub image_id: Value<String>,
+    #[serde(default)]
+    pub instance_type: Value<String>,
+    #[serde(default)]
+    pub ca_bundle: Value<String>,
+}
+
+/// The azure and gcp blocks are accepted so that one module serves every
+/// cloud; their drivers come later. Credentials are sensitive and never reach
+/// the store.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CloudBlock {
     #[serde(default)]
@@ -54,7 +76,7 @@ pub struct ProviderConfig {
     #[serde(default)]
     pub local: Value<Vec<LocalBlock>>,
     #[serde(default)]
-    pub aws: Value<Vec<CloudBlock>>,
+    pub aws: Value<Vec<AwsBlock>>,
     #[serde(default)]
     pub azure: Value<Vec<CloudBlock>>,
     #[serde(default)]
@@ -77,6 +99,61 @@ fn cloud_block(name: &str) -> NestedBlock {
         ],
         vec![],
     ))
+}
+
+fn aws_block() -> NestedBlock {
+    NestedBlock::Optional(block(
+        "Settings of the aws cloud: nodes are EC2 instances, a `dns` distributor is a Route 53 record set. Each attribute falls back to AWS's usual environment variable, which is also where `lbscale daemon` takes it.",
+        vec![
+            ("region", optional(AttributeType::String, "Region of the nodes and load balancers. Default: the environment's `AWS_REGION`, else `AWS_DEFAULT_REGION`.")),
+            ("endpoint", optional(AttributeType::String, "One endpoint for every AWS API, `https://HOST[:PORT]` (an API-compatible server, a private endpoint, tests). Default: the environment's `AWS_ENDPOINT_URL`, else AWS's public endpoints.")),
+            (
+                "credentials",
+                sensitive(optional(
+                    AttributeType::String,
+                    "`ACCESS_KEY_ID:SECRET_ACCESS_KEY` or `ACCESS_KEY_ID:SECRET_ACCESS_KEY:SESSION_TOKEN`. Default: the environment's `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and `AWS_SESSION_TOKEN`. Sensitive: never stored nor logged.",
+                )),
+            ),
+            ("image_id", optional(AttributeType::String, "The AMI of node instances: an image with `lbscale-node` on its PATH that runs its user data at boot (cloud-init). Default: the environment's `LBSCALE_AWS_IMAGE_ID`.")),
+            ("instance_type", optional(AttributeType::String, "The instance type of nodes. Default: the environment's `LBSCALE_AWS_INSTANCE_TYPE`, else `c5.large`.")),
+            ("ca_bundle", optional(AttributeType::String, "PEM file of the certificate authorities to trust for the AWS APIs instead of the system's. Default: the environment's `AWS_CA_BUNDLE`.")),
+        ],
+        vec![],
+    ))
+}
+
+/// The `aws` block over the environment; a bad value is a diagnostic on its
+/// attribute (a bad credential is not repeated).
+fn aws_settings(config: &ProviderConfig, diags: &mut Diagnostics) -> Option<AwsSettings> {
+    let env = AwsSettings::from_env();
+    let Some(aws) = known(&config.aws).and_then(|v| v.first()) else {
+        return Some(env);
+    };
+    let at = |a: &'static str| AttributePath::new("aws").index(0).attribute(a);
+    let mut over = AwsSettings {
+        region: known(&aws.region).cloned(),
+        endpoint: known(&aws.endpoint).cloned(),
+        credentials: None,
+        image_id: known(&aws.image_id).cloned(),
+        instance_type: known(&aws.instance_type).cloned(),
+        ca_bundle: known(&aws.ca_bundle).map(Into::into),
+    };
+    if let Some(e) = &over.endpoint {
+        if let Err(why) = Endpoint::parse(e) {
+            error(diags, at("endpoint"), "Invalid endpoint", why);
+            return None;
+        }
+    }
+    if let Some(c) = known(&aws.credentials) {
+        match parse_credentials(c) {
+            Ok(c) => over.credentials = Some(c),
+            Err(why) => {
+                error(diags, at("credentials"), "Invalid credentials", why);
+                return None;
+            }
+        }
+    }
+    Some(env.overridden_by(over))
 }
 
 fn local_settings(config: &ProviderConfig, diags: &mut Diagnostics) -> Option<LocalSettings> {
@@ -144,7 +221,7 @@ impl Provider for LbscaleProvider {
                             vec![],
                         )),
                     ),
-                    ("aws", cloud_block("aws")),
+                    ("aws", aws_block()),
                     ("azure", cloud_block("azure")),
                     ("gcp", cloud_block("gcp")),
                 ],
@@ -154,6 +231,7 @@ impl Provider for LbscaleProvider {
 
     async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::Config<'a>) -> Option<()> {
         local_settings(&config, diags)?;
+        aws_settings(&config, diags)?;
         Some(())
     }
 
@@ -164,6 +242,7 @@ impl Provider for LbscaleProvider {
         config: Self::Config<'a>,
     ) -> Option<()> {
         let local = local_settings(&config, diags)?;
+        let aws = aws_settings(&config, diags)?;
         if config.state.is_unknown() {
             error(
                 diags,
@@ -179,7 +258,7 @@ impl Provider for LbscaleProvider {
             (None, None) => (DEFAULT_STATE.to_string(), "the default".to_string()),
         };
         let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
-        match Engine::open(&url, &cwd, local) {
+        match Engine::open_with(&url, &cwd, local, aws) {
             Ok(e) => {
                 let _ = self.engine.set(Arc::new(e));
                 Some(())

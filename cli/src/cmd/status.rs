@@ -42,9 +42,14 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     ]
     .map(String::from)
     .to_vec()];
+    // Whether a node runs is the cloud's answer (an API call outside `local`).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Output(format!("starting the runtime: {e}")))?;
     for g in &groups {
-        let Some(view) = engine
-            .group_view(&g.id)
+        let Some(view) = rt
+            .block_on(engine.group_view(&g.id))
             .map_err(|e| CliError::Output(e.to_string()))?
         else {
             continue;

@@ -289,9 +289,9 @@ impl Cloud for LocalCloud {
             .map_err(|e| CloudError::Failed(e.to_string()))
     }
 
-    fn is_alive(&self, node: &NodeRow) -> bool {
+    async fn is_alive(&self, node: &NodeRow) -> Result<bool> {
         let h: NodeHandle = serde_json::from_value(node.handle.clone()).unwrap_or_default();
-        h.pid != 0 && process_alive(h.pid, &node.id)
+        Ok(h.pid != 0 && process_alive(h.pid, &node.id))
     }
 
     fn api_port(&self, node: &NodeRow) -> u16 {
@@ -445,11 +445,6 @@ impl Distributor for LocalCloud {
         } else {
             rt.vips
         }
-    }
-
-    fn is_alive(&self, id: &str) -> bool {
-        let rt = self.runtime(id);
-        rt.pid != 0 && process_alive(rt.pid, id)
     }
 }
 

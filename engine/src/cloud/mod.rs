@@ -7,8 +7,10 @@
 //!
 //! `local` is the embedded default: nodes are `lbscale-node` processes on loopback
 //! addresses of this machine, the `dns` distributor is an authoritative DNS server
-//! process and the `nlb` distributor an L4 forwarder process.
+//! process and the `nlb` distributor an L4 forwarder process. [`aws`] runs nodes
+//! on EC2 and `dns` distributors on Route 53.
 
+pub mod aws;
 pub mod local;
 
 use crate::model::DistributorSpec;
@@ -53,8 +55,9 @@ pub trait Cloud: Send + Sync {
     async fn provision(&self, req: &ProvisionRequest) -> Result<Provisioned>;
     /// Removes the node; idempotent (a node that is already gone is fine).
     async fn deprovision(&self, node: &NodeRow) -> Result<()>;
-    /// Whether the node still exists and runs.
-    fn is_alive(&self, node: &NodeRow) -> bool;
+    /// Whether the node still exists and runs. An error (the cloud could not
+    /// be asked) says nothing either way: the engine does not count the node dead.
+    async fn is_alive(&self, node: &NodeRow) -> Result<bool>;
     /// The port of the node's management API.
     fn api_port(&self, node: &NodeRow) -> u16;
 }
@@ -109,6 +112,4 @@ pub trait Distributor: Send + Sync {
     async fn remove(&self, id: &str) -> Result<()>;
     /// Where clients go: the DNS server (`dns`) or each AZ's VIP (`nlb`).
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String>;
-    /// Whether its process runs.
-    fn is_alive(&self, id: &str) -> bool;
 }

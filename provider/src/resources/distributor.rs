@@ -1,6 +1,6 @@
 //! `lbscale_traffic_distributor`: how clients reach the clusters (DNS or NLB).
 
-use super::check_cloud_built;
+use super::check_distributor_built;
 use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
@@ -118,7 +118,7 @@ impl ManagedObject for Distributor {
     }
 
     fn plan_create(_: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
-        check_cloud_built(diags, known(&s.cloud))?;
+        check_distributor_built(diags, known(&s.cloud), known(&s.mode))?;
         default_to(&mut s.ttl, DEFAULT_TTL.to_string());
         s.forget_computed();
         Some(())
@@ -143,7 +143,7 @@ impl ManagedObject for Distributor {
     }
 
     /// The state as the store and the driver see it now.
-    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+    async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
         Ok(engine.distributor_view(id)?.map(|v| State {
             id: Value::Value(v.id),
             name: Value::Value(v.spec.name),

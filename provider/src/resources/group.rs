@@ -403,8 +403,8 @@ impl ManagedObject for Group {
         Some(vec![])
     }
 
-    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
-        Ok(engine.group_view(id)?.as_ref().map(state_of))
+    async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+        Ok(engine.group_view(id).await?.as_ref().map(state_of))
     }
 
     fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {

@@ -48,7 +48,7 @@ pub trait ManagedObject: Send + Sync + 'static {
     ) -> Option<Vec<AttributePath>>;
 
     /// The object as the engine sees it now; `None` when it is gone.
-    fn read(engine: &Engine, id: &str) -> Result<Option<Self::State>, EngineError>;
+    async fn read(engine: &Engine, id: &str) -> Result<Option<Self::State>, EngineError>;
     /// The id of the object with this name (`terraform import` names objects by name).
     fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError>;
     /// Creates the object; returns its id.
@@ -76,9 +76,13 @@ impl<T: ManagedObject> Managed<T> {
     }
 
     /// The state as the engine sees it now; `Null` when the object is gone.
-    fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<T::State>> {
+    async fn observe(&self, diags: &mut Diagnostics, id: &str) -> Option<Value<T::State>> {
         let engine = engine(&self.engine, diags)?;
-        let found = done(diags, &format!("read {}", T::KIND), T::read(&engine, id))?;
+        let found = done(
+            diags,
+            &format!("read {}", T::KIND),
+            T::read(&engine, id).await,
+        )?;
         Some(found.into())
     }
 }
@@ -122,7 +126,7 @@ impl<T: ManagedObject> Resource for Managed<T> {
         let Some(s) = known(&state) else {
             return Some((Value::Null, p));
         };
-        Some((self.observe(diags, &T::id(s))?, p))
+        Some((self.observe(diags, &T::id(s)).await?, p))
     }
 
     async fn plan_create<'a>(
@@ -182,7 +186,7 @@ impl<T: ManagedObject> Resource for Managed<T> {
         let what = format!("create {}", T::KIND);
         let id = done(diags, &what, T::create(&engine, &T::spec_of(s)).await)?;
         let brought_up = T::bring_up(&engine, &id).await;
-        let state = self.observe(diags, &id)?;
+        let state = self.observe(diags, &id).await?;
         if let Err(e) = brought_up {
             // The object exists: hand its state back with the error, so that
             // Terraform records it as tainted and the next apply replaces it,
@@ -212,7 +216,7 @@ impl<T: ManagedObject> Resource for Managed<T> {
             &format!("update {}", T::KIND),
             T::update(&engine, &id, &T::spec_of(s)).await,
         )?;
-        Some((self.observe(diags, &id)?, p))
+        Some((self.observe(diags, &id).await?, p))
     }
 
     async fn destroy<'a>(
@@ -240,6 +244,6 @@ impl<T: ManagedObject> Resource for Managed<T> {
     ) -> Option<(Self::State<'a>, Self::PrivateState<'a>)> {
         let engine = engine(&self.engine, diags)?;
         let id = import_id(diags, T::KIND, &name, T::find(&engine, &name))?;
-        Some((self.observe(diags, &id)?, Value::Null))
+        Some((self.observe(diags, &id).await?, Value::Null))
     }
 }

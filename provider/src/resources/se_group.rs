@@ -193,7 +193,7 @@ impl ManagedObject for SeGroup {
         Some(vec![])
     }
 
-    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+    async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
         Ok(engine.store.se_group(id)?.map(|r| State {
             id: Value::Value(r.id),
             name: Value::Value(r.spec.name),

@@ -350,7 +350,7 @@ impl ManagedObject for Vserver {
         Some(vec![])
     }
 
-    fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
+    async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
         let Some(row) = engine.store.vserver(id)? else {
             return Ok(None);
         };

@@ -60,6 +60,8 @@ pub struct Workspace {
     /// Give `state` to the provider through the environment (`LBSCALE_STATE`)
     /// instead of its `state` argument.
     pub state_from_env: bool,
+    /// More blocks of the provider (an `aws` block, say), as HCL.
+    pub provider_blocks: String,
     cli_config: PathBuf,
     applied: bool,
 }
@@ -91,6 +93,7 @@ impl Workspace {
             prefix: format!("127.{octet}."),
             state: None,
             state_from_env: false,
+            provider_blocks: String::new(),
             cli_config,
             applied: false,
         }
@@ -109,14 +112,15 @@ provider "lbscale" {{{}
   local {{
     address_prefix = "{}"
   }}
-}}
+{}}}
 "#,
             self.state
                 .as_ref()
                 .filter(|_| !self.state_from_env)
                 .map(|s| format!("\n  state = {s:?}"))
                 .unwrap_or_default(),
-            self.prefix
+            self.prefix,
+            self.provider_blocks
         )
     }
 

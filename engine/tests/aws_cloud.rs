@@ -1,0 +1,329 @@
+//! The aws cloud driver against moto's server, a real implementation of AWS's
+//! EC2 and Route 53 APIs (see `lbscale_engine::moto_testing`). What the driver
+//! did is read back with curl and moto's own state dump, not through the driver.
+
+use lbscale_engine::cloud::aws::{AwsCloud, AwsSettings, NODE_API_PORT};
+use lbscale_engine::cloud::{Cloud, Distributor, ProvisionRequest, Publication};
+use lbscale_engine::model::DistributorSpec;
+use lbscale_engine::moto_testing::{moto, unique, Moto};
+use lbscale_engine::store::{NodeRow, NodeState, Store};
+use serde_json::Value;
+use std::sync::Arc;
+
+/// One of the images moto knows from the start.
+const IMAGE: &str = "ami-12c6146b";
+
+fn node_settings(moto: &Moto) -> AwsSettings {
+    AwsSettings {
+        image_id: Some(IMAGE.into()),
+        instance_type: Some("t3.micro".into()),
+        ..moto.settings()
+    }
+}
+
+fn store(test: &str) -> Arc<Store> {
+    let dir = std::env::temp_dir().join(format!("lbscale-aws-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    Arc::new(Store::open(&dir.join("state.db")).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
+    let Some(moto) = moto("a_node_is_an_ec2_instance_started_once_and_terminated") else {
+        return;
+    };
+    let store = store("node");
+    let cloud = AwsCloud::new(node_settings(&moto), store).expect("driver");
+    let token = "node-api-token-value-0123456789".to_string();
+    let req = ProvisionRequest {
+        node_id: unique("n"),
+        group_id: "g-aws".into(),
+        az: "us-east-1b".into(),
+        memory_limit_mb: 512,
+        token: token.clone(),
+    };
+    let p = cloud.provision(&req).await.expect("provision");
+    let id = p.handle["instance_id"]
+        .as_str()
+        .expect("instance id")
+        .to_string();
+    assert_eq!(p.api_port, NODE_API_PORT);
+
+    // What EC2 holds: the instance in the AZ, from the image, of the type,
+    // tagged with the node and group, running, with the addresses returned.
+    let i = moto.instance(&id);
+    assert_eq!(i["availability_zone"], "us-east-1b");
+    assert_eq!(i["image_id"], IMAGE);
+    assert_eq!(i["instance_type"], "t3.micro");
+    assert_eq!(i["state"], "running");
+    assert_eq!(
+        i["private_ip_address"].as_str(),
+        Some(p.private_ip.as_str())
+    );
+    assert_eq!(i["public_ip_address"].as_str(), p.public_ip.as_deref());
+    let tags = moto.call(
+        "ec2",
+        "POST",
+        "/",
+        Some(&format!("Action=DescribeTags&Version=2016-11-15&Filter.1.Name=resource-id&Filter.1.Value.1={id}")),
+    );
+    for (k, v) in [
+        ("lbscale:node-id", req.node_id.as_str()),
+        ("lbscale:group-id", "g-aws"),
+    ] {
+        assert!(
+            tags.contains(&format!("<key>{k}</key>"))
+                && tags.contains(&format!("<value>{v}</value>")),
+            "tag {k}={v} in {tags}"
+        );
+    }
+    // The user data starts the node and holds the token's hash, not the token.
+    let script = moto.user_data(&id);
+    assert!(script.contains("lbscale-node serve"), "{script}");
+    assert!(
+        script.contains(&format!("--api-port {NODE_API_PORT}")),
+        "{script}"
+    );
+    assert!(script.contains("sha256:"), "{script}");
+    assert!(!script.contains(&token), "the token is in the user data");
+
+    // Provisioning the same node again (a step re-run after a crash) finds
+    // the same instance.
+    let again = cloud.provision(&req).await.expect("provision again");
+    assert_eq!(again.handle["instance_id"], id.as_str());
+    let mine = moto.call(
+        "ec2",
+        "POST",
+        "/",
+        Some(&format!(
+            "Action=DescribeInstances&Version=2016-11-15&Filter.1.Name=tag:lbscale:node-id&Filter.1.Value.1={}",
+            req.node_id
+        )),
+    );
+    assert_eq!(
+        mine.matches("<instanceId>").count(),
+        1,
+        "one instance for the node: {mine}"
+    );
+
+    let row = NodeRow {
+        id: req.node_id.clone(),
+        group_id: "g-aws".into(),
+        az: "us-east-1b".into(),
+        seq: 1,
+        state: NodeState::Joining,
+        private_ip: p.private_ip.clone(),
+        public_ip: p.public_ip.clone(),
+        registered: false,
+        handle: p.handle.clone(),
+        created_at: 0,
+    };
+    assert!(cloud.is_alive(&row).await.unwrap());
+    cloud.deprovision(&row).await.expect("deprovision");
+    assert_eq!(moto.instance(&id)["state"], "terminated");
+    assert!(!cloud.is_alive(&row).await.unwrap());
+    // Idempotent; and a node whose handle was never stored is found by its tag.
+    cloud.deprovision(&row).await.expect("deprovision again");
+    let lost = ProvisionRequest {
+        node_id: unique("lost"),
+        ..req.clone()
+    };
+    let p2 = cloud.provision(&lost).await.expect("provision");
+    let id2 = p2.handle["instance_id"].as_str().unwrap().to_string();
+    let no_handle = NodeRow {
+        id: lost.node_id.clone(),
+        handle: Value::Null,
+        ..row.clone()
+    };
+    cloud
+        .deprovision(&no_handle)
+        .await
+        .expect("deprovision by tag");
+    assert_eq!(moto.instance(&id2)["state"], "terminated");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_name_the_call_and_the_missing_setting() {
+    let Some(moto) = moto("errors_name_the_call_and_the_missing_setting") else {
+        return;
+    };
+    // An AZ the region does not have: the error names the call, AWS's code
+    // and message.
+    let req = ProvisionRequest {
+        node_id: unique("bad"),
+        group_id: "g".into(),
+        az: "us-east-1z".into(),
+        memory_limit_mb: 64,
+        token: "t".into(),
+    };
+    let e = AwsCloud::new(node_settings(&moto), store("errors"))
+        .unwrap()
+        .provision(&req)
+        .await
+        .expect_err("unknown AZ")
+        .to_string();
+    assert!(
+        e.contains("RunInstances")
+            && e.contains("InvalidParameterValue")
+            && e.contains("us-east-1z"),
+        "{e}"
+    );
+    let req = ProvisionRequest {
+        az: "us-east-1a".into(),
+        ..req
+    };
+
+    // No image at all: named by its setting.
+    let mut settings = node_settings(&moto);
+    settings.image_id = None;
+    let e = AwsCloud::new(settings, store("errors2"))
+        .unwrap()
+        .provision(&req)
+        .await
+        .expect_err("no image")
+        .to_string();
+    assert!(
+        e.contains("image_id") && e.contains("LBSCALE_AWS_IMAGE_ID"),
+        "{e}"
+    );
+
+    // The server's certificate is checked: with the system's CAs (which did
+    // not sign moto's), the TLS handshake fails and says with whom.
+    let mut settings = node_settings(&moto);
+    settings.ca_bundle = None;
+    let e = AwsCloud::new(settings, store("errors3"))
+        .unwrap()
+        .provision(&req)
+        .await
+        .expect_err("untrusted certificate")
+        .to_string();
+    assert!(e.contains("TLS with 127.0.0.1"), "{e}");
+
+    // No region or no credentials: refused when the driver is made, by name.
+    let mut settings = node_settings(&moto);
+    settings.region = None;
+    let e = AwsCloud::new(settings, store("errors4")).err().unwrap();
+    assert!(e.contains("region") && e.contains("AWS_REGION"), "{e}");
+    let mut settings = node_settings(&moto);
+    settings.credentials = None;
+    let e = AwsCloud::new(settings, store("errors5")).err().unwrap();
+    assert!(e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+}
+
+fn dns_spec(domain: &str) -> DistributorSpec {
+    DistributorSpec {
+        name: format!("d-{domain}"),
+        cloud: "aws".into(),
+        mode: "dns".into(),
+        domain: Some(domain.into()),
+        ttl: "30s".into(),
+    }
+}
+
+fn publication(addresses: &[(&str, &str)]) -> Publication {
+    let mut p = Publication::default();
+    for (az, a) in addresses {
+        p.endpoints
+            .entry(az.to_string())
+            .or_default()
+            .push(a.to_string());
+    }
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_distributor_is_an_a_record_in_its_own_zone() {
+    let Some(moto) = moto("a_dns_distributor_is_an_a_record_in_its_own_zone") else {
+        return;
+    };
+    let store = store("dns-own");
+    let cloud = AwsCloud::new(node_settings(&moto), store.clone()).unwrap();
+    let domain = format!("{}.lbscale.test", unique("shop"));
+    let spec = dns_spec(&domain);
+    let id = unique("td");
+    store.insert_distributor(&id, &spec).unwrap();
+    cloud.ensure(&id, &spec).await.expect("ensure");
+    // No zone held the domain: one was created for it, with name servers.
+    let zone = moto
+        .zones()
+        .into_iter()
+        .find(|z| z.1 == format!("{domain}."))
+        .expect("a zone for the domain");
+    assert_eq!(zone.2, format!("lbscale-{id}"));
+    let fqdn = format!("{domain}.");
+    let ns = cloud.addresses(&id, &spec)["dns"].clone();
+    assert!(ns.contains("awsdns"), "{ns}");
+
+    let two = publication(&[("us-east-1a", "54.1.1.1"), ("us-east-1b", "54.2.2.2")]);
+    cloud.publish(&id, &spec, &two).await.expect("publish");
+    assert_eq!(
+        moto.a_records(&fqdn, &fqdn),
+        vec![(
+            "30".to_string(),
+            vec!["54.1.1.1".to_string(), "54.2.2.2".to_string()]
+        )]
+    );
+    let one = publication(&[("us-east-1b", "54.2.2.2")]);
+    cloud.publish(&id, &spec, &one).await.expect("publish");
+    assert_eq!(
+        moto.a_records(&fqdn, &fqdn),
+        vec![("30".to_string(), vec!["54.2.2.2".to_string()])]
+    );
+    // Nothing to hand out: no record (Route 53 has no empty record set).
+    cloud
+        .publish(&id, &spec, &Publication::default())
+        .await
+        .expect("publish none");
+    assert!(moto.a_records(&fqdn, &fqdn).is_empty());
+    cloud.publish(&id, &spec, &one).await.expect("publish");
+    // Removing the distributor removes its record and the zone it created.
+    cloud.remove(&id).await.expect("remove");
+    assert!(moto.a_records(&fqdn, &fqdn).is_empty());
+    assert!(
+        !moto.zones().iter().any(|z| z.1 == fqdn),
+        "the zone lbscale created is deleted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it() {
+    let Some(moto) = moto("a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it")
+    else {
+        return;
+    };
+    // The operator's zone, made by curl as any other client would.
+    let parent = format!("{}.lbscale.test", unique("corp"));
+    moto.call(
+        "route53",
+        "POST",
+        "/2013-04-01/hostedzone",
+        Some(&format!(
+            r#"<?xml version="1.0" encoding="UTF-8"?><CreateHostedZoneRequest xmlns="https://route53.amazonaws.com/doc/2013-04-01/"><Name>{parent}</Name><CallerReference>{}</CallerReference></CreateHostedZoneRequest>"#,
+            unique("operator")
+        )),
+    );
+    let zone = format!("{parent}.");
+
+    let store = store("dns-parent");
+    let cloud = AwsCloud::new(node_settings(&moto), store.clone()).unwrap();
+    let domain = format!("www.{parent}");
+    let spec = dns_spec(&domain);
+    let id = unique("td");
+    store.insert_distributor(&id, &spec).unwrap();
+    let before = moto.zones().len();
+    cloud
+        .publish(&id, &spec, &publication(&[("us-east-1a", "54.3.3.3")]))
+        .await
+        .expect("publish");
+    assert_eq!(moto.zones().len(), before, "no zone created");
+    assert_eq!(
+        moto.a_records(&zone, &format!("{domain}.")),
+        vec![("30".to_string(), vec!["54.3.3.3".to_string()])]
+    );
+    cloud.remove(&id).await.expect("remove");
+    assert!(moto.a_records(&zone, &format!("{domain}.")).is_empty());
+    assert!(
+        moto.zones().iter().any(|z| z.1 == zone),
+        "the operator's zone stays"
+    );
+}
