@@ -8,7 +8,7 @@ terraform {
 }
 
 provider "lbscale" {
-  # The store that the provider (and, later, the daemon) keeps specs, nodes and
+  # The store that the provider (and the daemon) keeps specs, nodes and
   # events in. A relative path is taken from Terraform's working directory.
   state = "sqlite://.lbscale/state.db"
 
@@ -22,10 +22,13 @@ provider "lbscale" {
     # node_binary  = "/usr/local/bin/lbscale-node" # default: next to the provider, then PATH
   }
 
-  # Cloud blocks are accepted so that one module serves every cloud, but their
-  # drivers are not built yet: a resource with cloud = "aws", "azure" or "gcp"
-  # is refused at plan time.
-  # aws {
-  #   region = "eu-west-1"
-  # }
+  # The aws cloud: nodes are EC2 instances started from your image, dns
+  # distributors are Route 53 record sets. Every attribute falls back to AWS's
+  # environment variables (AWS_REGION, AWS_ACCESS_KEY_ID, ...), which is also
+  # where `lbscale daemon` takes them, so that no secret sits in a .tf file.
+  aws {
+    region        = "eu-west-1"
+    image_id      = "ami-0123456789abcdef0" # an image with lbscale-node on its PATH
+    instance_type = "c5.large"
+  }
 }
