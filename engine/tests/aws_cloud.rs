@@ -327,3 +327,168 @@ async fn a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it() {
         "the operator's zone stays"
     );
 }
+
+/// An ELBv2 query through curl, as any other client would make it.
+fn elb(moto: &Moto, params: &str) -> String {
+    moto.call(
+        "elasticloadbalancing",
+        "POST",
+        "/",
+        Some(&format!("Version=2015-12-01&{params}")),
+    )
+}
+
+/// The IP targets of the target group named `name` (empty when it does not exist).
+fn targets(moto: &Moto, name: &str) -> Vec<String> {
+    let groups = elb(
+        moto,
+        &format!("Action=DescribeTargetGroups&Names.member.1={name}"),
+    );
+    let Some(arn) = groups
+        .split("<TargetGroupArn>")
+        .nth(1)
+        .and_then(|s| s.split('<').next())
+    else {
+        return vec![];
+    };
+    let health = elb(
+        moto,
+        &format!(
+            "Action=DescribeTargetHealth&TargetGroupArn={}",
+            lbscale_engine::cloud::aws::sigv4::uri_encode(arn)
+        ),
+    );
+    let mut ids: Vec<String> = health
+        .split("<Id>")
+        .skip(1)
+        .filter_map(|s| s.split('<').next().map(str::to_string))
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port() {
+    use lbscale_engine::cloud::{Balance, PortTargets};
+    let Some(moto) = moto("an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port")
+    else {
+        return;
+    };
+    let store = store("nlb");
+    let cloud = AwsCloud::new(moto.settings(), store.clone()).unwrap();
+    let id = format!("td-{:08x}", std::process::id() ^ 0x5a5a_0000);
+    let spec = DistributorSpec {
+        name: unique("nlb"),
+        cloud: "aws".into(),
+        mode: "nlb".into(),
+        domain: None,
+        ttl: "60s".into(),
+    };
+    store.insert_distributor(&id, &spec).unwrap();
+    let lb_name = format!("lbscale-{id}");
+    cloud.ensure(&id, &spec).await.expect("ensure");
+    let described = |moto: &Moto| {
+        elb(
+            moto,
+            &format!("Action=DescribeLoadBalancers&Names.member.1={lb_name}"),
+        )
+    };
+    assert!(
+        described(&moto).contains("LoadBalancerNotFound"),
+        "no load balancer before a port is published"
+    );
+
+    // Two AZs, ports 80 and 443; on 443 of us-east-1a a native primary (First).
+    let mut p = Publication::default();
+    p.endpoints.insert(
+        "us-east-1a".into(),
+        vec!["172.31.0.10".into(), "172.31.0.11".into()],
+    );
+    p.endpoints
+        .insert("us-east-1b".into(), vec!["172.31.16.10".into()]);
+    for az in ["us-east-1a", "us-east-1b"] {
+        p.ports.insert(az.into(), vec![80, 443]);
+    }
+    p.port_targets
+        .entry("us-east-1a".into())
+        .or_default()
+        .insert(
+            443,
+            PortTargets {
+                addresses: vec!["172.31.0.11".into(), "172.31.0.10".into()],
+                balance: Balance::First,
+            },
+        );
+    cloud.publish(&id, &spec, &p).await.expect("publish");
+    let lb = described(&moto);
+    assert!(lb.contains("<Type>network</Type>"), "{lb}");
+    assert!(
+        lb.contains("us-east-1a") && lb.contains("us-east-1b"),
+        "{lb}"
+    );
+    let arn = lb
+        .split("<LoadBalancerArn>")
+        .nth(1)
+        .and_then(|s| s.split('<').next())
+        .unwrap()
+        .to_string();
+    let listeners = elb(
+        &moto,
+        &format!(
+            "Action=DescribeListeners&LoadBalancerArn={}",
+            lbscale_engine::cloud::aws::sigv4::uri_encode(&arn)
+        ),
+    );
+    assert!(
+        listeners.contains("<Port>80</Port>") && listeners.contains("<Port>443</Port>"),
+        "{listeners}"
+    );
+    assert_eq!(
+        targets(&moto, &format!("{lb_name}-80")),
+        ["172.31.0.10", "172.31.0.11", "172.31.16.10"]
+    );
+    // The primary only where the vserver has one; every node elsewhere.
+    assert_eq!(
+        targets(&moto, &format!("{lb_name}-443")),
+        ["172.31.0.11", "172.31.16.10"]
+    );
+    let addresses = cloud.addresses(&id, &spec);
+    assert_eq!(
+        addresses.keys().collect::<Vec<_>>(),
+        ["us-east-1a", "us-east-1b"]
+    );
+    assert!(
+        addresses["us-east-1a"].contains("elb.amazonaws.com"),
+        "{addresses:?}"
+    );
+
+    // Port 443 goes and a node leaves: its listener and target group go, and
+    // the node is deregistered.
+    p.ports.insert("us-east-1a".into(), vec![80]);
+    p.ports.insert("us-east-1b".into(), vec![80]);
+    p.port_targets.clear();
+    p.endpoints
+        .insert("us-east-1a".into(), vec!["172.31.0.10".into()]);
+    cloud.publish(&id, &spec, &p).await.expect("publish");
+    assert_eq!(
+        targets(&moto, &format!("{lb_name}-80")),
+        ["172.31.0.10", "172.31.16.10"]
+    );
+    assert!(targets(&moto, &format!("{lb_name}-443")).is_empty());
+    let listeners = elb(
+        &moto,
+        &format!(
+            "Action=DescribeListeners&LoadBalancerArn={}",
+            lbscale_engine::cloud::aws::sigv4::uri_encode(&arn)
+        ),
+    );
+    assert!(!listeners.contains("<Port>443</Port>"), "{listeners}");
+
+    cloud.remove(&id).await.expect("remove");
+    assert!(described(&moto).contains("LoadBalancerNotFound"));
+    assert!(elb(
+        &moto,
+        &format!("Action=DescribeTargetGroups&Names.member.1={lb_name}-80")
+    )
+    .contains("TargetGroupNotFound"));
+}

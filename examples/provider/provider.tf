@@ -23,7 +23,8 @@ provider "lbscale" {
   }
 
   # The aws cloud: nodes are EC2 instances started from your image, dns
-  # distributors are Route 53 record sets. Every attribute falls back to AWS's
+  # distributors are Route 53 record sets, nlb distributors ELBv2 network load
+  # balancers. Every attribute falls back to AWS's
   # environment variables (AWS_REGION, AWS_ACCESS_KEY_ID, ...), which is also
   # where `lbscale daemon` takes them, so that no secret sits in a .tf file.
   aws {

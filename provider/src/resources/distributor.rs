@@ -1,6 +1,6 @@
 //! `lbscale_traffic_distributor`: how clients reach the clusters (DNS or NLB).
 
-use super::check_distributor_built;
+use super::check_cloud_built;
 use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
@@ -118,7 +118,7 @@ impl ManagedObject for Distributor {
     }
 
     fn plan_create(_: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
-        check_distributor_built(diags, known(&s.cloud), known(&s.mode))?;
+        check_cloud_built(diags, known(&s.cloud))?;
         default_to(&mut s.ttl, DEFAULT_TTL.to_string());
         s.forget_computed();
         Some(())

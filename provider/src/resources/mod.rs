@@ -25,23 +25,3 @@ pub fn check_cloud_built(diags: &mut Diagnostics, cloud: Option<&String>) -> Opt
         _ => Some(()),
     }
 }
-
-/// As [`check_cloud_built`], for a distributor's cloud and mode: on `aws`, only
-/// `dns` (Route 53) is built.
-pub fn check_distributor_built(
-    diags: &mut Diagnostics,
-    cloud: Option<&String>,
-    mode: Option<&String>,
-) -> Option<()> {
-    check_cloud_built(diags, cloud)?;
-    if cloud.map(String::as_str) == Some("aws") && mode.map(String::as_str) == Some("nlb") {
-        crate::common::error(
-            diags,
-            tf_provider::AttributePath::new("mode"),
-            "Distributor not built yet",
-            "the aws nlb distributor (an ELBv2 network load balancer) is not built yet in this version of lbscale; on aws, mode = \"dns\" (Route 53) works",
-        );
-        return None;
-    }
-    Some(())
-}

@@ -1,7 +1,10 @@
 //! The aws cloud under the real Terraform CLI, against moto's server (a real
 //! implementation of the AWS APIs; see `lbscale_engine::moto_testing`): a
 //! `dns` distributor is a Route 53 record set, a group's nodes are EC2
-//! instances, and what is not built yet is refused at plan time by name.
+//! instances, and bad settings (and the clouds not built yet) are refused at
+//! plan time by name. The `nlb` distributor (ELBv2) is tested at the driver
+//! level (engine/tests/aws_cloud.rs): on moto no node answers, so no group
+//! behind it can come up under Terraform.
 
 use lbscale_acceptance::*;
 use lbscale_engine::moto_testing::{moto, unique, Moto};
@@ -168,9 +171,8 @@ resource "lbscale_autoscale_group" "g" {{
 }
 
 #[test]
-fn what_aws_does_not_build_yet_and_bad_settings_are_refused_by_name() {
-    let Some(moto) = moto("what_aws_does_not_build_yet_and_bad_settings_are_refused_by_name")
-    else {
+fn azure_and_bad_aws_settings_are_refused_by_name() {
+    let Some(moto) = moto("azure_and_bad_aws_settings_are_refused_by_name") else {
         return;
     };
     let mut ws = Workspace::new("aws-refused", 131);
@@ -178,8 +180,8 @@ fn what_aws_does_not_build_yet_and_bad_settings_are_refused_by_name() {
     ws.write(
         r#"
 resource "lbscale_traffic_distributor" "d" {
-  name  = "refused-nlb"
-  cloud = "aws"
+  name  = "refused-azure"
+  cloud = "azure"
   mode  = "nlb"
 }
 "#,
@@ -188,9 +190,9 @@ resource "lbscale_traffic_distributor" "d" {
     assert_eq!(o.code, 1, "{}", o.all());
     let d = diagnostics(&o.all());
     assert!(
-        d.iter().any(|d| d.summary == "Distributor not built yet"
-            && d.text.contains("mode = \"dns\"")
-            && d.line == Some(line_of(&ws, "mode  = \"nlb\""))),
+        d.iter().any(|d| d.summary == "Cloud driver not built yet"
+            && d.text.contains("\"local\" and \"aws\" work")
+            && d.line == Some(line_of(&ws, "cloud = \"azure\""))),
         "{d:?}"
     );
 

@@ -14,13 +14,14 @@
 //!   that contains the domain, or in a zone it creates for the domain (and then
 //!   deletes with the distributor). Each publication waits until Route 53
 //!   reports the change `INSYNC`.
-//! - An `nlb` distributor (an ELBv2 network load balancer) is not built yet.
+//! - An `nlb` distributor is an ELBv2 network load balancer ([`elb`]).
 //!
 //! Settings come from the provider's `aws` block, else from AWS's usual
 //! environment variables (`AWS_REGION`, `AWS_ACCESS_KEY_ID`, ...), which is
 //! where the daemon takes them.
 
 pub mod api;
+mod elb;
 pub mod sigv4;
 pub mod xml;
 
@@ -141,6 +142,10 @@ struct DistributorRuntime {
     /// Whether lbscale created the zone (and so deletes it with the distributor).
     created_zone: bool,
     name_servers: Vec<String>,
+    /// `nlb`: where clients go in each AZ (the load balancer's address there,
+    /// else its DNS name).
+    #[serde(default)]
+    nlb_addresses: BTreeMap<String, String>,
 }
 
 impl AwsCloud {
@@ -586,11 +591,10 @@ impl AwsCloud {
 #[async_trait::async_trait]
 impl Distributor for AwsCloud {
     async fn ensure(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
-        if spec.mode != "dns" {
-            return Err(CloudError::NotBuilt(format!(
-                "aws nlb distributor ({})",
-                spec.name
-            )));
+        if spec.mode == "nlb" {
+            // The load balancer is made at the first publication with a port:
+            // it needs the AZs of the groups, and it costs while it exists.
+            return Ok(());
         }
         let mut rt = self.runtime(id);
         if rt.zone_id.is_some() {
@@ -646,6 +650,9 @@ impl Distributor for AwsCloud {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()> {
+        if spec.mode == "nlb" {
+            return self.publish_nlb(id, publication).await;
+        }
         self.ensure(id, spec).await?;
         let zone = self.runtime(id).zone_id.unwrap_or_default();
         let domain = spec.domain.clone().unwrap_or_default();
@@ -675,15 +682,18 @@ impl Distributor for AwsCloud {
     }
 
     async fn remove(&self, id: &str) -> Result<()> {
-        let rt = self.runtime(id);
-        let Some(zone) = rt.zone_id.clone() else {
-            return Ok(());
-        };
         let Some(row) = self
             .store
             .distributor(id)
             .map_err(|e| CloudError::Failed(e.to_string()))?
         else {
+            return Ok(());
+        };
+        if row.spec.mode == "nlb" {
+            return self.remove_nlb(id).await;
+        }
+        let rt = self.runtime(id);
+        let Some(zone) = rt.zone_id.clone() else {
             return Ok(());
         };
         let domain = row.spec.domain.clone().unwrap_or_default();
@@ -715,8 +725,8 @@ impl Distributor for AwsCloud {
     }
 
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String> {
-        if spec.mode != "dns" {
-            return BTreeMap::new();
+        if spec.mode == "nlb" {
+            return self.runtime(id).nlb_addresses;
         }
         self.runtime(id)
             .name_servers

@@ -1,0 +1,377 @@
+//! The `aws` `nlb` distributor: one ELBv2 network load balancer per
+//! distributor, with a subnet (the AZ's default subnet) in each AZ of its
+//! groups, a TCP listener per vserver port, and a target group per port whose
+//! targets are the nodes' private IPs.
+//!
+//! A network load balancer hashes each flow to a target, in the AZ where the
+//! client reached it (cross-zone load balancing is off by default): the
+//! `local` nlb's per-AZ VIP and its flow hash. A port whose vserver has a
+//! native primary (`Balance::First`) gets that primary only; the load balancer
+//! has no ordered failover, and the engine republishes when the primary fails.
+
+use super::{api::Service, xml, AwsCloud, DistributorRuntime};
+use crate::cloud::{Balance, CloudError, Publication, Result};
+use std::collections::{BTreeMap, BTreeSet};
+
+const VERSION: &str = "2015-12-01";
+
+impl AwsCloud {
+    async fn elb(&self, action: &str, params: Vec<(String, String)>) -> Result<String> {
+        self.api.query(Service::Elb, action, VERSION, &params).await
+    }
+
+    /// The load balancer's name: `lbscale-` and the distributor's id (ELBv2
+    /// allows 32 characters).
+    fn lb_name(id: &str) -> String {
+        format!("lbscale-{id}").chars().take(32).collect()
+    }
+
+    /// The target group of `port`: the load balancer's name and the port.
+    fn tg_name(id: &str, port: u16) -> String {
+        let base: String = Self::lb_name(id).chars().take(26).collect();
+        format!("{base}-{port}")
+    }
+
+    /// The default subnet of each of `azs`: AZ -> (subnet id, VPC id).
+    async fn default_subnets(
+        &self,
+        azs: &BTreeSet<String>,
+    ) -> Result<BTreeMap<String, (String, String)>> {
+        let mut params = vec![
+            ("Filter.1.Name".to_string(), "default-for-az".to_string()),
+            ("Filter.1.Value.1".to_string(), "true".to_string()),
+            ("Filter.2.Name".to_string(), "availability-zone".to_string()),
+        ];
+        for (i, az) in azs.iter().enumerate() {
+            params.push((format!("Filter.2.Value.{}", i + 1), az.clone()));
+        }
+        let body = self
+            .api
+            .query(Service::Ec2, "DescribeSubnets", super::EC2_VERSION, &params)
+            .await?;
+        let doc = xml::parse("ec2 DescribeSubnets", &body)?;
+        let found: BTreeMap<String, (String, String)> = xml::find_all(doc.root(), "subnetSet")
+            .flat_map(|s| s.children().filter(|c| c.is_element()))
+            .filter_map(|s| {
+                Some((
+                    xml::child_text(s, "availabilityZone")?,
+                    (
+                        xml::child_text(s, "subnetId")?,
+                        xml::child_text(s, "vpcId")?,
+                    ),
+                ))
+            })
+            .collect();
+        if let Some(missing) = azs.iter().find(|az| !found.contains_key(*az)) {
+            return Err(CloudError::Failed(format!(
+                "no default subnet in {missing}: an aws nlb distributor puts its load balancer in each AZ's default subnet"
+            )));
+        }
+        Ok(found)
+    }
+
+    /// The load balancer of distributor `id` as ELBv2 has it: (ARN, DNS name,
+    /// AZ -> its IP address there when ELBv2 reports one, AZs).
+    async fn find_lb(&self, id: &str) -> Result<Option<LoadBalancer>> {
+        let body = match self
+            .elb(
+                "DescribeLoadBalancers",
+                vec![("Names.member.1".into(), Self::lb_name(id))],
+            )
+            .await
+        {
+            Ok(b) => b,
+            Err(CloudError::Failed(m)) if m.contains("LoadBalancerNotFound") => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let doc = xml::parse("elasticloadbalancing DescribeLoadBalancers", &body)?;
+        let Some(lb) = xml::find(doc.root(), "LoadBalancers")
+            .and_then(|l| l.children().find(|c| c.is_element()))
+        else {
+            return Ok(None);
+        };
+        let mut addresses = BTreeMap::new();
+        let mut azs = BTreeSet::new();
+        if let Some(zones) = xml::find(lb, "AvailabilityZones") {
+            for z in zones.children().filter(|c| c.is_element()) {
+                let Some(name) = xml::child_text(z, "ZoneName") else {
+                    continue;
+                };
+                if let Some(ip) = xml::text(z, "IpAddress").filter(|ip| !ip.is_empty()) {
+                    addresses.insert(name.clone(), ip);
+                }
+                azs.insert(name);
+            }
+        }
+        Ok(Some(LoadBalancer {
+            arn: xml::child_text(lb, "LoadBalancerArn").unwrap_or_default(),
+            dns_name: xml::child_text(lb, "DNSName").unwrap_or_default(),
+            addresses,
+            azs,
+        }))
+    }
+
+    /// Makes the load balancer hand out `publication`: subnets in its AZs, a
+    /// listener and target group per port, and exactly the targets wanted.
+    pub(super) async fn publish_nlb(&self, id: &str, publication: &Publication) -> Result<()> {
+        let azs: BTreeSet<String> = publication
+            .ports
+            .iter()
+            .filter(|(_, ports)| !ports.is_empty())
+            .map(|(az, _)| az.clone())
+            .collect();
+        // Port -> targets (private IPs), over every AZ.
+        let mut wanted: BTreeMap<u16, BTreeSet<String>> = BTreeMap::new();
+        for (az, ports) in &publication.ports {
+            let nodes = publication.endpoints.get(az).cloned().unwrap_or_default();
+            for port in ports {
+                let placed = publication.port_targets.get(az).and_then(|p| p.get(port));
+                let targets: Vec<String> = match placed {
+                    Some(t) if t.balance == Balance::First => {
+                        t.addresses.iter().take(1).cloned().collect()
+                    }
+                    Some(t) => t.addresses.clone(),
+                    None => nodes.clone(),
+                };
+                wanted.entry(*port).or_default().extend(targets);
+            }
+        }
+        let existing = self.find_lb(id).await?;
+        if azs.is_empty() {
+            // Nothing to serve: no load balancer (it costs money while it exists).
+            if existing.is_some() {
+                self.remove_nlb(id).await?;
+            }
+            return self.save_nlb_runtime(id, None);
+        }
+        let subnets = self.default_subnets(&azs).await?;
+        let vpc = subnets
+            .values()
+            .next()
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        let lb = match existing {
+            Some(lb) => {
+                if !azs.is_subset(&lb.azs) {
+                    // ELBv2 takes the whole list: the AZs it has and the new ones.
+                    let all: BTreeSet<String> = lb.azs.union(&azs).cloned().collect();
+                    let subnets = self.default_subnets(&all).await?;
+                    let mut params = vec![("LoadBalancerArn".to_string(), lb.arn.clone())];
+                    for (i, (subnet, _)) in subnets.values().enumerate() {
+                        params.push((format!("Subnets.member.{}", i + 1), subnet.clone()));
+                    }
+                    self.elb("SetSubnets", params).await?;
+                }
+                lb
+            }
+            None => {
+                let mut params = vec![
+                    ("Name".to_string(), Self::lb_name(id)),
+                    ("Type".to_string(), "network".to_string()),
+                    ("Scheme".to_string(), "internet-facing".to_string()),
+                    (
+                        "Tags.member.1.Key".to_string(),
+                        "lbscale:distributor-id".to_string(),
+                    ),
+                    ("Tags.member.1.Value".to_string(), id.to_string()),
+                ];
+                for (i, (subnet, _)) in subnets.values().enumerate() {
+                    params.push((format!("Subnets.member.{}", i + 1), subnet.clone()));
+                }
+                self.elb("CreateLoadBalancer", params).await?;
+                self.find_lb(id).await?.ok_or_else(|| {
+                    CloudError::Failed(format!(
+                        "the load balancer {} was created but ELBv2 does not list it",
+                        Self::lb_name(id)
+                    ))
+                })?
+            }
+        };
+
+        // Listeners: one per wanted port; others are deleted with their group.
+        let body = self
+            .elb(
+                "DescribeListeners",
+                vec![("LoadBalancerArn".into(), lb.arn.clone())],
+            )
+            .await?;
+        let doc = xml::parse("elasticloadbalancing DescribeListeners", &body)?;
+        let listeners: BTreeMap<u16, String> = xml::find_all(doc.root(), "Listeners")
+            .flat_map(|l| l.children().filter(|c| c.is_element()))
+            .filter_map(|l| {
+                Some((
+                    xml::child_text(l, "Port")?.parse().ok()?,
+                    xml::child_text(l, "ListenerArn")?,
+                ))
+            })
+            .collect();
+        for (port, listener) in &listeners {
+            if !wanted.contains_key(port) {
+                self.elb(
+                    "DeleteListener",
+                    vec![("ListenerArn".into(), listener.clone())],
+                )
+                .await?;
+                self.delete_target_group(&Self::tg_name(id, *port)).await?;
+            }
+        }
+        for (port, targets) in &wanted {
+            let tg = self.target_group(id, *port, &vpc).await?;
+            if !listeners.contains_key(port) {
+                self.elb(
+                    "CreateListener",
+                    vec![
+                        ("LoadBalancerArn".into(), lb.arn.clone()),
+                        ("Protocol".into(), "TCP".into()),
+                        ("Port".into(), port.to_string()),
+                        ("DefaultActions.member.1.Type".into(), "forward".into()),
+                        ("DefaultActions.member.1.TargetGroupArn".into(), tg.clone()),
+                    ],
+                )
+                .await?;
+            }
+            self.set_targets(&tg, *port, targets).await?;
+        }
+        self.save_nlb_runtime(id, Some(&lb))
+    }
+
+    /// The ARNs of the target groups named `name` (none or one).
+    async fn target_groups_named(&self, name: &str) -> Result<Vec<String>> {
+        let body = match self
+            .elb(
+                "DescribeTargetGroups",
+                vec![("Names.member.1".into(), name.to_string())],
+            )
+            .await
+        {
+            Ok(b) => b,
+            Err(CloudError::Failed(m)) if m.contains("TargetGroupNotFound") => return Ok(vec![]),
+            Err(e) => return Err(e),
+        };
+        let doc = xml::parse("elasticloadbalancing DescribeTargetGroups", &body)?;
+        Ok(xml::find_all(doc.root(), "TargetGroupArn")
+            .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+            .collect())
+    }
+
+    /// The target group of `port`, created when missing.
+    async fn target_group(&self, id: &str, port: u16, vpc: &str) -> Result<String> {
+        if let Some(arn) = self
+            .target_groups_named(&Self::tg_name(id, port))
+            .await?
+            .into_iter()
+            .next()
+        {
+            return Ok(arn);
+        }
+        let body = self
+            .elb(
+                "CreateTargetGroup",
+                vec![
+                    ("Name".into(), Self::tg_name(id, port)),
+                    ("Protocol".into(), "TCP".into()),
+                    ("Port".into(), port.to_string()),
+                    ("VpcId".into(), vpc.to_string()),
+                    ("TargetType".into(), "ip".into()),
+                    ("HealthCheckProtocol".into(), "TCP".into()),
+                ],
+            )
+            .await?;
+        let doc = xml::parse("elasticloadbalancing CreateTargetGroup", &body)?;
+        xml::text(doc.root(), "TargetGroupArn").ok_or_else(|| {
+            CloudError::Failed(
+                "AWS elasticloadbalancing CreateTargetGroup: no TargetGroupArn in the answer"
+                    .into(),
+            )
+        })
+    }
+
+    /// Registers the targets `wanted` lacks and deregisters the others.
+    async fn set_targets(&self, tg: &str, port: u16, wanted: &BTreeSet<String>) -> Result<()> {
+        let body = self
+            .elb(
+                "DescribeTargetHealth",
+                vec![("TargetGroupArn".into(), tg.to_string())],
+            )
+            .await?;
+        let doc = xml::parse("elasticloadbalancing DescribeTargetHealth", &body)?;
+        let now: BTreeSet<String> = xml::find_all(doc.root(), "Target")
+            .filter_map(|t| xml::child_text(t, "Id"))
+            .collect();
+        let add: Vec<&String> = wanted.difference(&now).collect();
+        let drop: Vec<&String> = now.difference(wanted).collect();
+        for (action, ips) in [("RegisterTargets", add), ("DeregisterTargets", drop)] {
+            if ips.is_empty() {
+                continue;
+            }
+            let mut params = vec![("TargetGroupArn".to_string(), tg.to_string())];
+            for (i, ip) in ips.iter().enumerate() {
+                params.push((format!("Targets.member.{}.Id", i + 1), ip.to_string()));
+                params.push((format!("Targets.member.{}.Port", i + 1), port.to_string()));
+            }
+            self.elb(action, params).await?;
+        }
+        Ok(())
+    }
+
+    async fn delete_target_group(&self, name: &str) -> Result<()> {
+        for arn in self.target_groups_named(name).await? {
+            self.elb("DeleteTargetGroup", vec![("TargetGroupArn".into(), arn)])
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the load balancer (its listeners go with it), then its target groups.
+    pub(super) async fn remove_nlb(&self, id: &str) -> Result<()> {
+        let Some(lb) = self.find_lb(id).await? else {
+            return Ok(());
+        };
+        let body = self
+            .elb(
+                "DescribeListeners",
+                vec![("LoadBalancerArn".into(), lb.arn.clone())],
+            )
+            .await?;
+        let doc = xml::parse("elasticloadbalancing DescribeListeners", &body)?;
+        let ports: Vec<u16> = xml::find_all(doc.root(), "Port")
+            .filter_map(|p| p.text()?.trim().parse().ok())
+            .collect();
+        self.elb(
+            "DeleteLoadBalancer",
+            vec![("LoadBalancerArn".into(), lb.arn)],
+        )
+        .await?;
+        for port in ports {
+            self.delete_target_group(&Self::tg_name(id, port)).await?;
+        }
+        Ok(())
+    }
+
+    fn save_nlb_runtime(&self, id: &str, lb: Option<&LoadBalancer>) -> Result<()> {
+        let mut rt: DistributorRuntime = self.runtime(id);
+        rt.nlb_addresses = lb
+            .map(|lb| {
+                lb.azs
+                    .iter()
+                    .map(|az| {
+                        let a = lb
+                            .addresses
+                            .get(az)
+                            .cloned()
+                            .unwrap_or_else(|| lb.dns_name.clone());
+                        (az.clone(), a)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.save_runtime(id, &rt)
+    }
+}
+
+struct LoadBalancer {
+    arn: String,
+    dns_name: String,
+    addresses: BTreeMap<String, String>,
+    azs: BTreeSet<String>,
+}
