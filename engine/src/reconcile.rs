@@ -271,6 +271,19 @@ impl Engine {
         })
     }
 
+    /// Why `cloud` cannot be used now (for nodes too, with `nodes`), if it
+    /// cannot: settings missing from the provider and the environment. Said at
+    /// plan time, before anything is created.
+    pub fn cloud_unusable(&self, cloud: &str, nodes: bool) -> Option<String> {
+        match (cloud, &self.aws) {
+            ("aws", Err(why)) => Some(format!("the aws cloud is not usable: {why}")),
+            ("aws", Ok(aws)) if nodes && !aws.has_image() => Some(
+                "no image for AWS nodes: set image_id in the provider's aws block, or LBSCALE_AWS_IMAGE_ID".into(),
+            ),
+            _ => None,
+        }
+    }
+
     fn aws_driver(&self) -> std::result::Result<&AwsCloud, CloudError> {
         self.aws
             .as_ref()

@@ -1,6 +1,6 @@
 //! `lbscale_traffic_distributor`: how clients reach the clusters (DNS or NLB).
 
-use super::check_cloud_built;
+use super::check_cloud_usable;
 use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
@@ -117,8 +117,8 @@ impl ManagedObject for Distributor {
         }
     }
 
-    fn plan_create(_: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
-        check_cloud_built(diags, known(&s.cloud))?;
+    fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
+        check_cloud_usable(engine, diags, known(&s.cloud), false)?;
         default_to(&mut s.ttl, DEFAULT_TTL.to_string());
         s.forget_computed();
         Some(())

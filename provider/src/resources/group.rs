@@ -5,7 +5,7 @@
 //! will act on the nodes: a change to the declared shape, or a group that is not
 //! healthy (a node died, an AZ below `min_nodes`), which the apply then heals.
 
-use super::check_cloud_built;
+use super::check_cloud_usable;
 use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
@@ -369,7 +369,7 @@ impl ManagedObject for Group {
         // The distributor's cloud first: "must equal the distributor's" is the
         // more useful message when both apply.
         check_placement(engine, diags, s)?;
-        check_cloud_built(diags, known(&s.cloud))?;
+        check_cloud_usable(engine, diags, known(&s.cloud), true)?;
         s.forget_computed();
         Some(())
     }
@@ -386,7 +386,7 @@ impl ManagedObject for Group {
             ("cloud", changed(&prior.cloud, &s.cloud)),
         ]);
         if !replace.is_empty() {
-            check_cloud_built(diags, known(&s.cloud))?;
+            check_cloud_usable(engine, diags, known(&s.cloud), true)?;
             s.forget_computed();
             return Some(replace);
         }

@@ -10,18 +10,33 @@ pub mod vserver;
 
 use tf_provider::Diagnostics;
 
-/// Refuses clouds whose driver is not built yet, at plan time rather than apply.
-pub fn check_cloud_built(diags: &mut Diagnostics, cloud: Option<&String>) -> Option<()> {
+/// Refuses, at plan time rather than apply, clouds whose driver is not built
+/// yet and a cloud whose settings are missing (`nodes`: settings that nodes
+/// need too, such as the aws image).
+pub fn check_cloud_usable(
+    engine: &crate::common::EngineHandle,
+    diags: &mut Diagnostics,
+    cloud: Option<&String>,
+    nodes: bool,
+) -> Option<()> {
+    let at = || tf_provider::AttributePath::new("cloud");
     match cloud.map(String::as_str) {
         Some("azure") | Some("gcp") => {
             crate::common::error(
                 diags,
-                tf_provider::AttributePath::new("cloud"),
+                at(),
                 "Cloud driver not built yet",
                 format!("the {} cloud driver is not built yet in this version of lbscale; \"local\" and \"aws\" work", cloud.unwrap()),
             );
             None
         }
-        _ => Some(()),
+        Some(c) => match engine.get().and_then(|e| e.cloud_unusable(c, nodes)) {
+            Some(why) => {
+                crate::common::error(diags, at(), "Cloud not usable", why);
+                None
+            }
+            None => Some(()),
+        },
+        None => Some(()),
     }
 }

@@ -40,6 +40,19 @@ pub fn terraform() -> PathBuf {
     p
 }
 
+/// The environment variables that the aws cloud's settings fall back to.
+pub const AWS_ENV: [&str; 9] = [
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_CA_BUNDLE",
+    "LBSCALE_AWS_IMAGE_ID",
+    "LBSCALE_AWS_INSTANCE_TYPE",
+];
+
 pub struct Output {
     pub code: i32,
     pub stdout: String,
@@ -135,8 +148,12 @@ provider "lbscale" {{{}
 
     pub fn tf(&self, args: &[&str]) -> Output {
         let mut cmd = Command::new(terraform());
-        // The store is what the test says, never what the caller's shell has.
+        // The store and the clouds' settings are what the test says, never
+        // what the caller's shell has.
         cmd.env_remove(lbscale_engine::store::STATE_URL_ENV);
+        for var in AWS_ENV {
+            cmd.env_remove(var);
+        }
         if let (Some(url), true) = (&self.state, self.state_from_env) {
             cmd.env(lbscale_engine::store::STATE_URL_ENV, url);
         }

@@ -196,6 +196,51 @@ resource "lbscale_traffic_distributor" "d" {
         "{d:?}"
     );
 
+    // A group on aws without an image, and a distributor without a region:
+    // refused at plan time on their `cloud`, saying what to set.
+    ws.provider_blocks = aws_block(&moto, "").replace("    image_id    = \"ami-12c6146b\"\n", "");
+    let stack = r#"
+resource "lbscale_traffic_distributor" "d" {
+  name   = "noimage-d"
+  cloud  = "aws"
+  mode   = "dns"
+  domain = "noimage.lbscale.test"
+}
+
+resource "lbscale_autoscale_group" "g" {
+  name                   = "noimage"
+  cloud                  = "aws"
+  availability_zones     = ["us-east-1a"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  threshold {
+    metric = "cpu"
+    min    = 10
+    max    = 70
+  }
+}
+"#;
+    ws.write(stack);
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    let d = diagnostics(&o.all());
+    assert!(
+        d.iter().any(|d| d.summary == "Cloud not usable"
+            && d.text.contains("image_id")
+            && d.text.contains("LBSCALE_AWS_IMAGE_ID")),
+        "{d:?}"
+    );
+    ws.provider_blocks = aws_block(&moto, "").replace("    region      = \"us-east-1\"\n", "");
+    ws.write(stack);
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    let d = diagnostics(&o.all());
+    assert!(
+        d.iter().any(|d| d.summary == "Cloud not usable"
+            && d.text.contains("no AWS region")
+            && d.line == Some(line_of(&ws, "cloud  = \"aws\""))),
+        "{d:?}"
+    );
+
     // A credential without its secret: named, and not repeated.
     ws.provider_blocks =
         aws_block(&moto, "").replace(&format!("AKIDACCEPTANCE:{SECRET}"), "AKIDONLY");

@@ -185,6 +185,11 @@ impl AwsCloud {
         })
     }
 
+    /// Whether nodes can be started: an image is set.
+    pub fn has_image(&self) -> bool {
+        self.image_id.is_some()
+    }
+
     async fn ec2(&self, action: &str, params: Vec<(String, String)>) -> Result<String> {
         self.api
             .query(Service::Ec2, action, EC2_VERSION, &params)
