@@ -243,12 +243,19 @@ impl AwsApi {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs() as i64)
             .unwrap_or(0);
+        // The query is signed as its parameters, and sent as it was signed.
+        let (path, query) = sigv4::split_query(path);
+        let uri = if query.is_empty() {
+            path.clone()
+        } else {
+            format!("{path}?{}", sigv4::canonical_query(&query))
+        };
         let signed = sigv4::sign(
             &sigv4::Request {
                 method,
                 host: &host,
-                path,
-                query: &[],
+                path: &path,
+                query: &query,
                 headers: &headers,
                 body: content,
             },
@@ -257,7 +264,7 @@ impl AwsApi {
             service.signing_name(),
             now,
         );
-        let mut req = hyper::Request::builder().method(method).uri(path);
+        let mut req = hyper::Request::builder().method(method).uri(uri);
         for (k, v) in &signed {
             req = req.header(k.as_str(), v.as_str());
         }
