@@ -145,8 +145,9 @@ pub struct Engine {
 pub const WORKFLOW_LEASE_TTL: Duration = Duration::from_secs(10);
 
 /// How long a publication waits for another process's publication to the same
-/// distributor (each takes at most the driver's own publish timeout).
-const PUBLISH_LEASE_WAIT: Duration = Duration::from_secs(60);
+/// distributor (each takes at most the driver's own publish timeout: a Route 53
+/// change may take two minutes to be in sync, plus its calls' retries).
+const PUBLISH_LEASE_WAIT: Duration = Duration::from_secs(300);
 
 /// A lease kept alive by a background task (renewed every third of its TTL) while
 /// the work it covers runs. A renewal that finds the lease taken over marks it
@@ -1201,7 +1202,18 @@ impl Engine {
         let p = match cloud.provision(&req).await {
             Ok(p) => p,
             Err(e) => {
-                self.store.delete_node(&node_id)?;
+                // The cloud may have made the node before failing (an answer
+                // lost, a start that timed out): remove whatever carries its id
+                // before forgetting it. If that fails too, the row stays as
+                // failed, and the next reconcile removes it.
+                match cloud.deprovision(&row).await {
+                    Ok(()) => self.store.delete_node(&node_id)?,
+                    Err(cleanup) => {
+                        row.state = NodeState::Failed;
+                        self.store.update_node(&row)?;
+                        tracing::warn!(node = %node_id, error = %cleanup, "could not remove what a failed provisioning left; the next reconcile retries");
+                    }
+                }
                 return Err(EngineError::Step {
                     step: "provision node",
                     detail: e.to_string(),

@@ -310,12 +310,16 @@ async fn a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it() {
     let spec = dns_spec(&domain);
     let id = unique("td");
     store.insert_distributor(&id, &spec).unwrap();
-    let before = moto.zones().len();
+
     cloud
         .publish(&id, &spec, &publication(&[("us-east-1a", "54.3.3.3")]))
         .await
         .expect("publish");
-    assert_eq!(moto.zones().len(), before, "no zone created");
+    // (Other tests make zones meanwhile: only this domain's is looked for.)
+    assert!(
+        !moto.zones().iter().any(|z| z.1 == format!("{domain}.")),
+        "no zone created for the domain"
+    );
     assert_eq!(
         moto.a_records(&zone, &format!("{domain}.")),
         vec![("30".to_string(), vec!["54.3.3.3".to_string()])]
@@ -491,4 +495,87 @@ async fn an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port(
         &format!("Action=DescribeTargetGroups&Names.member.1={lb_name}-80")
     )
     .contains("TargetGroupNotFound"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_distributor_skips_private_zones_and_follows_a_new_domain() {
+    let Some(moto) = moto("a_dns_distributor_skips_private_zones_and_follows_a_new_domain") else {
+        return;
+    };
+    // The operator's public zone, and a private zone (seen only from a VPC)
+    // named exactly as the domain: the record must go to the public one.
+    let parent = format!("{}.lbscale.test", unique("split"));
+    let domain = format!("www.{parent}");
+    let vpcs = moto.call(
+        "ec2",
+        "POST",
+        "/",
+        Some("Action=DescribeVpcs&Version=2016-11-15"),
+    );
+    let vpc = vpcs
+        .split("<vpcId>")
+        .nth(1)
+        .and_then(|s| s.split('<').next())
+        .expect("a VPC in moto")
+        .to_string();
+    for (name, private) in [(&parent, false), (&domain, true)] {
+        let vpc_part = if private {
+            format!("<VPC><VPCRegion>us-east-1</VPCRegion><VPCId>{vpc}</VPCId></VPC><HostedZoneConfig><PrivateZone>true</PrivateZone></HostedZoneConfig>")
+        } else {
+            String::new()
+        };
+        moto.call(
+            "route53",
+            "POST",
+            "/2013-04-01/hostedzone",
+            Some(&format!(
+                r#"<?xml version="1.0" encoding="UTF-8"?><CreateHostedZoneRequest xmlns="https://route53.amazonaws.com/doc/2013-04-01/"><Name>{name}</Name><CallerReference>{}</CallerReference>{vpc_part}</CreateHostedZoneRequest>"#,
+                unique("operator")
+            )),
+        );
+    }
+    let store = store("dns-split");
+    let cloud = AwsCloud::new(moto.settings(), store.clone()).unwrap();
+    let mut spec = dns_spec(&domain);
+    let id = unique("td");
+    store.insert_distributor(&id, &spec).unwrap();
+    let one = publication(&[("us-east-1a", "54.4.4.4")]);
+    cloud.publish(&id, &spec, &one).await.expect("publish");
+    let (public, private) = (format!("{parent}."), format!("{domain}."));
+    assert_eq!(
+        moto.a_records(&public, &private),
+        vec![("30".to_string(), vec!["54.4.4.4".to_string()])],
+        "the record is in the public zone"
+    );
+    assert!(
+        moto.a_records(&private, &private).is_empty(),
+        "not in the private zone"
+    );
+
+    // A new domain (changed in place): the old record goes, and a zone is
+    // chosen (here made) for the new one.
+    let other = format!("{}.lbscale.test", unique("moved"));
+    spec.domain = Some(other.clone());
+    cloud
+        .publish(&id, &spec, &one)
+        .await
+        .expect("publish the new domain");
+    assert!(
+        moto.a_records(&public, &private).is_empty(),
+        "the old record is gone"
+    );
+    let fqdn = format!("{other}.");
+    assert_eq!(
+        moto.a_records(&fqdn, &fqdn),
+        vec![("30".to_string(), vec!["54.4.4.4".to_string()])]
+    );
+    cloud.remove(&id).await.expect("remove");
+    assert!(
+        !moto.zones().iter().any(|z| z.1 == fqdn),
+        "its own zone is deleted"
+    );
+    assert!(
+        moto.zones().iter().any(|z| z.1 == public),
+        "the operator's zone stays"
+    );
 }

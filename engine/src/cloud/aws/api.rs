@@ -134,6 +134,24 @@ impl AwsApi {
         &self.region
     }
 
+    /// An AWS error message as it may be shown: a signature mismatch quotes the
+    /// canonical request (with the session token) and is cut there, and the
+    /// secret and the token never appear.
+    fn redacted(&self, message: String) -> String {
+        let mut m = match message.find("The Canonical String") {
+            Some(at) => format!("{}(canonical request not shown)", &message[..at]),
+            None => message,
+        };
+        let secrets = [
+            Some(self.credentials.secret_access_key.as_str()),
+            self.credentials.session_token.as_deref(),
+        ];
+        for secret in secrets.into_iter().flatten().filter(|s| !s.is_empty()) {
+            m = m.replace(secret, "<redacted>");
+        }
+        m
+    }
+
     /// A query-API call (EC2, ELBv2): `Action` with `params`; the body of the
     /// answer, or an error naming the action and AWS's code.
     pub async fn query(
@@ -303,6 +321,7 @@ impl AwsApi {
                 text.chars().take(200).collect::<String>(),
             )
         });
+        let message = self.redacted(message);
         Err(ApiError {
             status,
             code,
@@ -349,9 +368,12 @@ fn transport(message: String) -> ApiError {
 
 /// Throttling, AWS's own transient failures and connections that failed.
 fn retryable(e: &ApiError) -> bool {
+    // A call that timed out is retried too: every call the driver makes is
+    // idempotent (RunInstances carries a client token).
     matches!(
         e.code.as_str(),
-        "Throttling"
+        "Timeout"
+            | "Throttling"
             | "ThrottlingException"
             | "RequestLimitExceeded"
             | "PriorRequestNotComplete"
@@ -379,7 +401,38 @@ pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
 
 #[cfg(test)]
 mod tests {
-    use super::Endpoint;
+    use super::{AwsApi, Credentials, Endpoint};
+    use std::sync::Arc;
+
+    #[test]
+    fn error_messages_never_show_the_secret_or_the_token() {
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+        let api = AwsApi::new(
+            "us-east-1".into(),
+            None,
+            Credentials {
+                access_key_id: "AKID".into(),
+                secret_access_key: "SECRETKEY".into(),
+                session_token: Some("TOKENVALUE".into()),
+            },
+            Arc::new(tls),
+        );
+        let m = api.redacted(
+            "The request signature we calculated does not match. The Canonical String for this request should have been\n'GET\nx-amz-security-token:TOKENVALUE'".into(),
+        );
+        assert!(
+            !m.contains("TOKENVALUE") && m.contains("does not match"),
+            "{m}"
+        );
+        let m = api.redacted("echoed SECRETKEY and TOKENVALUE".into());
+        assert_eq!(m, "echoed <redacted> and <redacted>");
+    }
 
     #[test]
     fn endpoints_parse_and_refuse_by_name() {

@@ -14,6 +14,8 @@ use crate::cloud::{Balance, CloudError, Publication, Result};
 use std::collections::{BTreeMap, BTreeSet};
 
 const VERSION: &str = "2015-12-01";
+/// How long a deleted listener or load balancer may keep its target group in use.
+const TARGET_GROUP_RELEASE: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl AwsCloud {
     async fn elb(&self, action: &str, params: Vec<(String, String)>) -> Result<String> {
@@ -84,31 +86,7 @@ impl AwsCloud {
             Err(CloudError::Failed(m)) if m.contains("LoadBalancerNotFound") => return Ok(None),
             Err(e) => return Err(e),
         };
-        let doc = xml::parse("elasticloadbalancing DescribeLoadBalancers", &body)?;
-        let Some(lb) = xml::find(doc.root(), "LoadBalancers")
-            .and_then(|l| l.children().find(|c| c.is_element()))
-        else {
-            return Ok(None);
-        };
-        let mut addresses = BTreeMap::new();
-        let mut azs = BTreeSet::new();
-        if let Some(zones) = xml::find(lb, "AvailabilityZones") {
-            for z in zones.children().filter(|c| c.is_element()) {
-                let Some(name) = xml::child_text(z, "ZoneName") else {
-                    continue;
-                };
-                if let Some(ip) = xml::text(z, "IpAddress").filter(|ip| !ip.is_empty()) {
-                    addresses.insert(name.clone(), ip);
-                }
-                azs.insert(name);
-            }
-        }
-        Ok(Some(LoadBalancer {
-            arn: xml::child_text(lb, "LoadBalancerArn").unwrap_or_default(),
-            dns_name: xml::child_text(lb, "DNSName").unwrap_or_default(),
-            addresses,
-            azs,
-        }))
+        parse_lb("elasticloadbalancing DescribeLoadBalancers", &body)
     }
 
     /// Makes the load balancer hand out `publication`: subnets in its AZs, a
@@ -151,18 +129,21 @@ impl AwsCloud {
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
         let lb = match existing {
+            Some(lb) if azs.is_subset(&lb.azs) => lb,
             Some(lb) => {
-                if !azs.is_subset(&lb.azs) {
-                    // ELBv2 takes the whole list: the AZs it has and the new ones.
-                    let all: BTreeSet<String> = lb.azs.union(&azs).cloned().collect();
-                    let subnets = self.default_subnets(&all).await?;
-                    let mut params = vec![("LoadBalancerArn".to_string(), lb.arn.clone())];
-                    for (i, (subnet, _)) in subnets.values().enumerate() {
-                        params.push((format!("Subnets.member.{}", i + 1), subnet.clone()));
-                    }
-                    self.elb("SetSubnets", params).await?;
+                // ELBv2 takes the whole list: the subnets it has, as they are,
+                // and the new AZs' default subnets.
+                let mut all: BTreeMap<String, String> = lb.subnets.clone();
+                for (az, (subnet, _)) in &subnets {
+                    all.entry(az.clone()).or_insert_with(|| subnet.clone());
                 }
-                lb
+                let mut params = vec![("LoadBalancerArn".to_string(), lb.arn.clone())];
+                for (i, subnet) in all.values().enumerate() {
+                    params.push((format!("Subnets.member.{}", i + 1), subnet.clone()));
+                }
+                self.elb("SetSubnets", params).await?;
+                // What it has now (its addresses in the new AZs).
+                self.find_lb(id).await?.unwrap_or(lb)
             }
             None => {
                 let mut params = vec![
@@ -178,10 +159,11 @@ impl AwsCloud {
                 for (i, (subnet, _)) in subnets.values().enumerate() {
                     params.push((format!("Subnets.member.{}", i + 1), subnet.clone()));
                 }
-                self.elb("CreateLoadBalancer", params).await?;
-                self.find_lb(id).await?.ok_or_else(|| {
+                // From the answer: a describe right after may not list it yet.
+                let body = self.elb("CreateLoadBalancer", params).await?;
+                parse_lb("elasticloadbalancing CreateLoadBalancer", &body)?.ok_or_else(|| {
                     CloudError::Failed(format!(
-                        "the load balancer {} was created but ELBv2 does not list it",
+                        "AWS elasticloadbalancing CreateLoadBalancer: no load balancer {} in the answer",
                         Self::lb_name(id)
                     ))
                 })?
@@ -207,12 +189,22 @@ impl AwsCloud {
             .collect();
         for (port, listener) in &listeners {
             if !wanted.contains_key(port) {
-                self.elb(
-                    "DeleteListener",
-                    vec![("ListenerArn".into(), listener.clone())],
-                )
-                .await?;
-                self.delete_target_group(&Self::tg_name(id, *port)).await?;
+                match self
+                    .elb(
+                        "DeleteListener",
+                        vec![("ListenerArn".into(), listener.clone())],
+                    )
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(CloudError::Failed(m)) if m.contains("ListenerNotFound") => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        for (port, arn) in self.target_groups_of(id).await? {
+            if !wanted.contains_key(&port) {
+                self.delete_target_group_arn(&arn).await?;
             }
         }
         for (port, targets) in &wanted {
@@ -295,9 +287,7 @@ impl AwsCloud {
             )
             .await?;
         let doc = xml::parse("elasticloadbalancing DescribeTargetHealth", &body)?;
-        let now: BTreeSet<String> = xml::find_all(doc.root(), "Target")
-            .filter_map(|t| xml::child_text(t, "Id"))
-            .collect();
+        let now = registered_targets(doc.root());
         let add: Vec<&String> = wanted.difference(&now).collect();
         let drop: Vec<&String> = now.difference(wanted).collect();
         for (action, ips) in [("RegisterTargets", add), ("DeregisterTargets", drop)] {
@@ -314,36 +304,79 @@ impl AwsCloud {
         Ok(())
     }
 
-    async fn delete_target_group(&self, name: &str) -> Result<()> {
-        for arn in self.target_groups_named(name).await? {
-            self.elb("DeleteTargetGroup", vec![("TargetGroupArn".into(), arn)])
-                .await?;
+    /// Deletes a target group; one still in use by a listener or load balancer
+    /// that is going (ELBv2 lets go of it some seconds later) is tried again.
+    async fn delete_target_group_arn(&self, arn: &str) -> Result<()> {
+        let deadline = std::time::Instant::now() + TARGET_GROUP_RELEASE;
+        loop {
+            match self
+                .elb(
+                    "DeleteTargetGroup",
+                    vec![("TargetGroupArn".into(), arn.to_string())],
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(CloudError::Failed(m)) if m.contains("TargetGroupNotFound") => return Ok(()),
+                Err(CloudError::Failed(m))
+                    if m.contains("ResourceInUse") && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        Ok(())
     }
 
-    /// Deletes the load balancer (its listeners go with it), then its target groups.
+    /// The target groups of distributor `id` (named `lbscale-<id>-<port>`),
+    /// whatever listener or load balancer still uses them: port -> ARN.
+    async fn target_groups_of(&self, id: &str) -> Result<BTreeMap<u16, String>> {
+        let prefix = format!(
+            "{}-",
+            Self::lb_name(id).chars().take(26).collect::<String>()
+        );
+        let mut out = BTreeMap::new();
+        let mut marker: Option<String> = None;
+        loop {
+            let mut params = vec![("PageSize".to_string(), "400".to_string())];
+            if let Some(m) = &marker {
+                params.push(("Marker".into(), m.clone()));
+            }
+            let body = self.elb("DescribeTargetGroups", params).await?;
+            let doc = xml::parse("elasticloadbalancing DescribeTargetGroups", &body)?;
+            for tg in xml::find_all(doc.root(), "TargetGroups")
+                .flat_map(|t| t.children().filter(|c| c.is_element()))
+            {
+                let (Some(name), Some(arn)) = (
+                    xml::child_text(tg, "TargetGroupName"),
+                    xml::child_text(tg, "TargetGroupArn"),
+                ) else {
+                    continue;
+                };
+                if let Some(port) = name.strip_prefix(&prefix).and_then(|p| p.parse().ok()) {
+                    out.insert(port, arn);
+                }
+            }
+            marker = xml::text(doc.root(), "NextMarker").filter(|m| !m.is_empty());
+            if marker.is_none() {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Deletes the load balancer (its listeners go with it), then every target
+    /// group of the distributor, also those that no listener used any more (a
+    /// crash between creating one and its listener, an earlier failed delete).
     pub(super) async fn remove_nlb(&self, id: &str) -> Result<()> {
-        let Some(lb) = self.find_lb(id).await? else {
-            return Ok(());
-        };
-        let body = self
-            .elb(
-                "DescribeListeners",
-                vec![("LoadBalancerArn".into(), lb.arn.clone())],
+        if let Some(lb) = self.find_lb(id).await? {
+            self.elb(
+                "DeleteLoadBalancer",
+                vec![("LoadBalancerArn".into(), lb.arn)],
             )
             .await?;
-        let doc = xml::parse("elasticloadbalancing DescribeListeners", &body)?;
-        let ports: Vec<u16> = xml::find_all(doc.root(), "Port")
-            .filter_map(|p| p.text()?.trim().parse().ok())
-            .collect();
-        self.elb(
-            "DeleteLoadBalancer",
-            vec![("LoadBalancerArn".into(), lb.arn)],
-        )
-        .await?;
-        for port in ports {
-            self.delete_target_group(&Self::tg_name(id, port)).await?;
+        }
+        for arn in self.target_groups_of(id).await?.into_values() {
+            self.delete_target_group_arn(&arn).await?;
         }
         Ok(())
     }
@@ -372,6 +405,75 @@ impl AwsCloud {
 struct LoadBalancer {
     arn: String,
     dns_name: String,
+    /// AZ -> its IP address there, when ELBv2 reports one.
     addresses: BTreeMap<String, String>,
     azs: BTreeSet<String>,
+    /// AZ -> the subnet it is in.
+    subnets: BTreeMap<String, String>,
+}
+
+/// The first load balancer of a `DescribeLoadBalancers` or
+/// `CreateLoadBalancer` answer.
+fn parse_lb(what: &str, body: &str) -> Result<Option<LoadBalancer>> {
+    let doc = xml::parse(what, body)?;
+    let Some(lb) =
+        xml::find(doc.root(), "LoadBalancers").and_then(|l| l.children().find(|c| c.is_element()))
+    else {
+        return Ok(None);
+    };
+    let mut addresses = BTreeMap::new();
+    let mut azs = BTreeSet::new();
+    let mut subnets = BTreeMap::new();
+    if let Some(zones) = xml::find(lb, "AvailabilityZones") {
+        for z in zones.children().filter(|c| c.is_element()) {
+            let Some(name) = xml::child_text(z, "ZoneName") else {
+                continue;
+            };
+            if let Some(ip) = xml::text(z, "IpAddress").filter(|ip| !ip.is_empty()) {
+                addresses.insert(name.clone(), ip);
+            }
+            if let Some(subnet) = xml::child_text(z, "SubnetId") {
+                subnets.insert(name.clone(), subnet);
+            }
+            azs.insert(name);
+        }
+    }
+    Ok(Some(LoadBalancer {
+        arn: xml::child_text(lb, "LoadBalancerArn").unwrap_or_default(),
+        dns_name: xml::child_text(lb, "DNSName").unwrap_or_default(),
+        addresses,
+        azs,
+        subnets,
+    }))
+}
+
+/// The targets of a `DescribeTargetHealth` answer that stay registered. One
+/// being deregistered (`draining`, or `unavailable` while it goes) does not
+/// count: wanted again, it is registered again.
+fn registered_targets(root: xml::Node<'_, '_>) -> BTreeSet<String> {
+    xml::find_all(root, "TargetHealthDescriptions")
+        .flat_map(|d| d.children().filter(|c| c.is_element()))
+        .filter(|d| {
+            let state = xml::find(*d, "TargetHealth").and_then(|h| xml::child_text(h, "State"));
+            !matches!(state.as_deref(), Some("draining") | Some("unavailable"))
+        })
+        .filter_map(|d| xml::find(d, "Target").and_then(|t| xml::child_text(t, "Id")))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draining_targets_are_not_registered() {
+        let answer = r#"<DescribeTargetHealthResponse xmlns="http://elasticloadbalancing.amazonaws.com/doc/2015-12-01/"><DescribeTargetHealthResult><TargetHealthDescriptions>
+<member><HealthCheckPort>80</HealthCheckPort><Target><Port>80</Port><Id>10.0.0.1</Id></Target><TargetHealth><State>healthy</State></TargetHealth></member>
+<member><Target><Port>80</Port><Id>10.0.0.2</Id></Target><TargetHealth><State>draining</State><Reason>Target.DeregistrationInProgress</Reason></TargetHealth></member>
+<member><Target><Port>80</Port><Id>10.0.0.3</Id></Target><TargetHealth><State>initial</State></TargetHealth></member>
+</TargetHealthDescriptions></DescribeTargetHealthResult></DescribeTargetHealthResponse>"#;
+        let doc = xml::parse("test", answer).unwrap();
+        let ids: Vec<String> = registered_targets(doc.root()).into_iter().collect();
+        assert_eq!(ids, ["10.0.0.1", "10.0.0.3"]);
+    }
 }

@@ -134,14 +134,19 @@ struct NodeHandle {
     instance_id: String,
 }
 
-/// What the store keeps of an AWS distributor between calls.
+/// What the store keeps of an AWS distributor between calls (`{}` before the
+/// first call).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 struct DistributorRuntime {
     /// `Z...`, without the `/hostedzone/` prefix.
     zone_id: Option<String>,
     /// Whether lbscale created the zone (and so deletes it with the distributor).
     created_zone: bool,
     name_servers: Vec<String>,
+    /// The domain the zone was chosen for: a new domain chooses again.
+    #[serde(default)]
+    domain: Option<String>,
     /// `nlb`: where clients go in each AZ (the load balancer's address there,
     /// else its DNS name).
     #[serde(default)]
@@ -228,12 +233,27 @@ impl AwsCloud {
         }))
     }
 
+    /// What the store keeps of distributor `id`; for what is shown only
+    /// (`addresses`), where a store error shows nothing.
     fn runtime(&self, id: &str) -> DistributorRuntime {
-        self.store
+        self.runtime_checked(id).unwrap_or_default()
+    }
+
+    /// As [`Self::runtime`], for what acts on it: a store error is an error,
+    /// not an empty runtime (which would forget a zone that exists).
+    fn runtime_checked(&self, id: &str) -> Result<DistributorRuntime> {
+        let v = self
+            .store
             .distributor_runtime(id)
-            .ok()
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default()
+            .map_err(|e| CloudError::Failed(e.to_string()))?;
+        if v.is_null() {
+            return Ok(DistributorRuntime::default());
+        }
+        serde_json::from_value(v).map_err(|e| {
+            CloudError::Failed(format!(
+                "the stored runtime of distributor {id} does not read: {e}"
+            ))
+        })
     }
 
     fn save_runtime(&self, id: &str, rt: &DistributorRuntime) -> Result<()> {
@@ -255,8 +275,9 @@ impl AwsCloud {
             .map_err(|e| api::failed(Service::Route53, what, e))
     }
 
-    /// The account's hosted zones: (id without prefix, name with its final dot,
-    /// caller reference).
+    /// The account's public hosted zones: (id without prefix, name with its
+    /// final dot, caller reference). A private zone is only seen from its VPCs,
+    /// not by the clients of a distributor.
     async fn hosted_zones(&self) -> Result<Vec<(String, String, String)>> {
         let mut zones = Vec::new();
         let mut marker: Option<String> = None;
@@ -268,6 +289,9 @@ impl AwsCloud {
             let body = self.route53("ListHostedZones", "GET", &path, None).await?;
             let doc = xml::parse("route53 ListHostedZones", &body)?;
             for z in xml::find_all(doc.root(), "HostedZone") {
+                if xml::text(z, "PrivateZone").as_deref() == Some("true") {
+                    continue;
+                }
                 let id = xml::child_text(z, "Id").unwrap_or_default();
                 zones.push((
                     id.trim_start_matches("/hostedzone/").to_string(),
@@ -366,6 +390,54 @@ impl AwsCloud {
     }
 }
 
+impl AwsCloud {
+    /// Deletes the `A` record of `domain` and, if lbscale created it, the
+    /// zone. A zone that the store lost track of (a crash before it was
+    /// saved) is found by its caller reference.
+    async fn remove_dns(&self, id: &str, domain: &str, rt: &DistributorRuntime) -> Result<()> {
+        let (zone, created) = match &rt.zone_id {
+            Some(z) => (z.clone(), rt.created_zone),
+            None => {
+                let reference = format!("lbscale-{id}");
+                match self
+                    .hosted_zones()
+                    .await?
+                    .into_iter()
+                    .find(|(_, _, caller)| caller == &reference)
+                {
+                    Some((z, _, _)) => (z, true),
+                    None => return Ok(()),
+                }
+            }
+        };
+        match self.a_record(&zone, domain).await {
+            Ok(Some((ttl, values))) => {
+                self.change_a_record(&zone, "DELETE", domain, ttl, &values)
+                    .await?
+            }
+            Ok(None) => {}
+            Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        if created {
+            match self
+                .route53(
+                    "DeleteHostedZone",
+                    "DELETE",
+                    &format!("{ROUTE53}/hostedzone/{zone}"),
+                    None,
+                )
+                .await
+            {
+                Ok(_) => {}
+                Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
 struct InstanceInfo {
     state: String,
     private_ip: Option<String>,
@@ -435,7 +507,11 @@ impl Cloud for AwsCloud {
             ("MaxCount".into(), "1".into()),
             ("Placement.AvailabilityZone".into(), req.az.clone()),
             // Idempotent: the same node id never starts a second instance.
-            ("ClientToken".into(), req.node_id.clone()),
+            // (A client token is at most 64 characters; a node id may be more.)
+            (
+                "ClientToken".into(),
+                sigv4::sha256_hex(req.node_id.as_bytes()),
+            ),
             (
                 "UserData".into(),
                 base64::engine::general_purpose::STANDARD.encode(bootstrap(req)),
@@ -601,11 +677,25 @@ impl Distributor for AwsCloud {
             // it needs the AZs of the groups, and it costs while it exists.
             return Ok(());
         }
-        let mut rt = self.runtime(id);
-        if rt.zone_id.is_some() {
-            return Ok(());
-        }
+        let mut rt = self.runtime_checked(id)?;
         let domain = spec.domain.clone().unwrap_or_default();
+        match (&rt.zone_id, &rt.domain) {
+            (Some(_), Some(d)) if same_name(d, &domain) => return Ok(()),
+            // A store written before the domain was kept: the zone is for it.
+            (Some(_), None) => {
+                rt.domain = Some(domain);
+                return self.save_runtime(id, &rt);
+            }
+            // The domain changed: its record and zone go, and a zone is
+            // chosen for the new one.
+            (Some(_), Some(old)) => {
+                let old = old.clone();
+                self.remove_dns(id, &old, &rt).await?;
+                rt = DistributorRuntime::default();
+                self.save_runtime(id, &rt)?;
+            }
+            (None, _) => {}
+        }
         let reference = format!("lbscale-{id}");
         let zones = self.hosted_zones().await?;
         let (zone_id, created) = match zone_for(&zones, &domain) {
@@ -646,6 +736,7 @@ impl Distributor for AwsCloud {
             .collect();
         rt.zone_id = Some(zone_id);
         rt.created_zone = created;
+        rt.domain = Some(domain);
         self.save_runtime(id, &rt)
     }
 
@@ -659,7 +750,7 @@ impl Distributor for AwsCloud {
             return self.publish_nlb(id, publication).await;
         }
         self.ensure(id, spec).await?;
-        let zone = self.runtime(id).zone_id.unwrap_or_default();
+        let zone = self.runtime_checked(id)?.zone_id.unwrap_or_default();
         let domain = spec.domain.clone().unwrap_or_default();
         let ttl = lbscale_core::duration::parse_duration(&spec.ttl)
             .map(|d| d.as_secs())
@@ -668,7 +759,18 @@ impl Distributor for AwsCloud {
             publication.endpoints.values().flatten().cloned().collect();
         addresses.sort();
         addresses.dedup();
-        let current = self.a_record(&zone, &domain).await?.map(|(t, mut values)| {
+        let current = match self.a_record(&zone, &domain).await {
+            Ok(c) => c,
+            Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => {
+                // Deleted outside lbscale: choose (or make) a zone again next time.
+                self.save_runtime(id, &DistributorRuntime::default())?;
+                return Err(CloudError::Failed(format!(
+                    "the hosted zone {zone} of {domain} is gone (deleted outside lbscale); the next publication chooses a zone again: {m}"
+                )));
+            }
+            Err(e) => return Err(e),
+        }
+        .map(|(t, mut values)| {
             values.sort();
             (t, values)
         });
@@ -697,36 +799,13 @@ impl Distributor for AwsCloud {
         if row.spec.mode == "nlb" {
             return self.remove_nlb(id).await;
         }
-        let rt = self.runtime(id);
-        let Some(zone) = rt.zone_id.clone() else {
-            return Ok(());
-        };
-        let domain = row.spec.domain.clone().unwrap_or_default();
-        match self.a_record(&zone, &domain).await {
-            Ok(Some((ttl, values))) => {
-                self.change_a_record(&zone, "DELETE", &domain, ttl, &values)
-                    .await?
-            }
-            Ok(None) => {}
-            Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => return Ok(()),
-            Err(e) => return Err(e),
-        }
-        if rt.created_zone {
-            match self
-                .route53(
-                    "DeleteHostedZone",
-                    "DELETE",
-                    &format!("{ROUTE53}/hostedzone/{zone}"),
-                    None,
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        let rt = self.runtime_checked(id)?;
+        let domain = rt
+            .domain
+            .clone()
+            .or(row.spec.domain.clone())
+            .unwrap_or_default();
+        self.remove_dns(id, &domain, &rt).await
     }
 
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String> {
