@@ -86,15 +86,26 @@ impl Endpoint {
             ),
             _ => (rest.to_string(), if tls { 443 } else { 80 }),
         };
+        // An IPv6 literal is connected to without its brackets.
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .map(str::to_string)
+            .unwrap_or(host);
         Ok(Endpoint { tls, host, port })
     }
 
     /// The `Host` header: the port only when it is not the scheme's default.
     fn host_header(&self) -> String {
-        if self.port == if self.tls { 443 } else { 80 } {
-            self.host.clone()
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
         } else {
-            format!("{}:{}", self.host, self.port)
+            self.host.clone()
+        };
+        if self.port == if self.tls { 443 } else { 80 } {
+            host
+        } else {
+            format!("{host}:{}", self.port)
         }
     }
 }
@@ -445,6 +456,13 @@ mod tests {
             }
         );
         assert_eq!(Endpoint::parse("https://aws.example").unwrap().port, 443);
+        let v6 = Endpoint::parse("http://[::1]:5000").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("::1", 5000));
+        assert_eq!(v6.host_header(), "[::1]:5000");
+        assert_eq!(
+            Endpoint::parse("https://[::1]").unwrap().host_header(),
+            "[::1]"
+        );
         for bad in [
             "ftp://x",
             "http://",
