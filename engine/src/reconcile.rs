@@ -580,9 +580,13 @@ impl Engine {
             return Ok(None);
         };
         let cloud = self.cloud(&row.spec.cloud)?;
+        let rows = self.store.nodes_of_group(id)?;
+        let alive = cloud
+            .alive(&rows)
+            .await
+            .unwrap_or_else(|_| vec![true; rows.len()]);
         let mut nodes = Vec::new();
-        for n in self.store.nodes_of_group(id)? {
-            let alive = cloud.is_alive(&n).await.unwrap_or(true);
+        for (n, alive) in rows.into_iter().zip(alive) {
             nodes.push({
                 let state = if n.state.is_member() && n.state != NodeState::Provisioning && !alive {
                     NodeState::Failed
@@ -703,8 +707,10 @@ impl Engine {
 
         // 1. Observe: a member whose process is gone has failed; clean it up.
         let mut registration_changed = false;
-        for mut n in self.store.nodes_of_group(id)? {
-            let dead = !cloud.is_alive(&n).await?;
+        let rows = self.store.nodes_of_group(id)?;
+        let alive = cloud.alive(&rows).await?;
+        for (mut n, alive) in rows.into_iter().zip(alive) {
+            let dead = !alive;
             if n.state == NodeState::Failed || (n.state.is_member() && dead) {
                 lease.check()?;
                 registration_changed |= n.registered;

@@ -119,9 +119,30 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
         created_at: 0,
     };
     assert!(cloud.is_alive(&row).await.unwrap());
+    // All of a group's nodes in one call: one without an instance id (a
+    // provisioning cut short) and one EC2 does not know are not alive.
+    let unknown = NodeRow {
+        handle: serde_json::json!({"instance_id": "i-0123456789abcdef0"}),
+        ..row.clone()
+    };
+    let no_handle_row = NodeRow {
+        handle: Value::Null,
+        ..row.clone()
+    };
+    assert_eq!(
+        cloud
+            .alive(&[row.clone(), unknown.clone(), no_handle_row.clone()])
+            .await
+            .unwrap(),
+        [true, false, false]
+    );
     cloud.deprovision(&row).await.expect("deprovision");
     assert_eq!(moto.instance(&id)["state"], "terminated");
     assert!(!cloud.is_alive(&row).await.unwrap());
+    assert_eq!(
+        cloud.alive(&[row.clone(), unknown]).await.unwrap(),
+        [false, false]
+    );
     // Idempotent; and a node whose handle was never stored is found by its tag.
     cloud.deprovision(&row).await.expect("deprovision again");
     let lost = ProvisionRequest {

@@ -58,6 +58,15 @@ pub trait Cloud: Send + Sync {
     /// Whether the node still exists and runs. An error (the cloud could not
     /// be asked) says nothing either way: the engine does not count the node dead.
     async fn is_alive(&self, node: &NodeRow) -> Result<bool>;
+    /// [`Cloud::is_alive`] of each of `nodes`, in order. A cloud whose answer
+    /// is an API call asks once for all of them.
+    async fn alive(&self, nodes: &[NodeRow]) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(nodes.len());
+        for n in nodes {
+            out.push(self.is_alive(n).await?);
+        }
+        Ok(out)
+    }
     /// The port of the node's management API.
     fn api_port(&self, node: &NodeRow) -> u16;
 }

@@ -591,6 +591,46 @@ impl Cloud for AwsCloud {
             .is_some_and(|i| matches!(i.state.as_str(), "pending" | "running")))
     }
 
+    /// One `DescribeInstances` for all of them.
+    async fn alive(&self, nodes: &[NodeRow]) -> Result<Vec<bool>> {
+        let ids: Vec<Option<String>> = nodes
+            .iter()
+            .map(|n| {
+                serde_json::from_value::<NodeHandle>(n.handle.clone())
+                    .ok()
+                    .map(|h| h.instance_id)
+            })
+            .collect();
+        let known: Vec<&String> = ids.iter().flatten().collect();
+        let mut running = std::collections::BTreeSet::new();
+        // EC2 takes up to 1,000 instance ids per call.
+        for chunk in known.chunks(500) {
+            // By filter, not InstanceId.N: an id EC2 no longer knows must not
+            // fail the whole call (InvalidInstanceID.NotFound).
+            let mut params = vec![("Filter.1.Name".to_string(), "instance-id".to_string())];
+            for (i, id) in chunk.iter().enumerate() {
+                params.push((format!("Filter.1.Value.{}", i + 1), id.to_string()));
+            }
+            let body = self.ec2("DescribeInstances", params).await?;
+            let doc = xml::parse("ec2 DescribeInstances", &body)?;
+            for item in xml::find_all(doc.root(), "instancesSet")
+                .flat_map(|set| set.children().filter(|c| c.is_element()))
+            {
+                let state =
+                    xml::find(item, "instanceState").and_then(|s| xml::child_text(s, "name"));
+                if matches!(state.as_deref(), Some("pending") | Some("running")) {
+                    if let Some(id) = xml::child_text(item, "instanceId") {
+                        running.insert(id);
+                    }
+                }
+            }
+        }
+        Ok(ids
+            .iter()
+            .map(|id| id.as_ref().is_some_and(|id| running.contains(id)))
+            .collect())
+    }
+
     fn api_port(&self, _node: &NodeRow) -> u16 {
         NODE_API_PORT
     }
