@@ -685,6 +685,7 @@ pub async fn tick(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, ro
                 may_resize,
             },
             &mut span_streaks,
+            claim.lease(),
         )
         .await;
         statuses.push(az_status(
@@ -781,7 +782,8 @@ struct SpanPolicy {
 /// Sizes each vserver's span in `az` from the CPU its holders reported
 /// (`lbscale_core::seplan::span_for_cpu`) and applies a new one through the
 /// engine (an event says why) once `watch_samples` evaluations in a row asked
-/// for it. A vserver whose holders did not all answer keeps its span.
+/// for it. A vserver whose holders did not all answer keeps its span. The
+/// write is fenced by the daemon's `claim` on the group.
 #[allow(clippy::too_many_arguments)]
 async fn size_spans(
     shared: &Shared,
@@ -792,6 +794,7 @@ async fn size_spans(
     answers: &HashMap<String, NodeStats>,
     policy: SpanPolicy,
     streaks: &mut HashMap<(String, String), SpanStreak>,
+    claim: &lbscale_engine::store::Lease,
 ) -> Vec<VserverSpan> {
     let mut out = Vec::new();
     streaks.retain(|(v, a), _| a != az || views.iter().any(|x| &x.vserver_id == v));
@@ -853,7 +856,7 @@ async fn size_spans(
             );
             match shared
                 .engine
-                .set_vserver_span(group_id, &v.vserver_id, az, to, &reason)
+                .set_vserver_span(group_id, &v.vserver_id, az, to, &reason, Some(claim))
                 .await
             {
                 Ok(()) => {

@@ -1541,6 +1541,7 @@ impl Engine {
     /// Sets how many nodes of `az` hold the vserver, records why, and pushes the
     /// new roles and shares to the nodes and the new targets to the distributor
     /// (adding an existing node to a vserver takes one push, not a new node).
+    /// `claim`: the daemon's claim on the group, which the write is fenced by.
     pub async fn set_vserver_span(
         &self,
         group_id: &str,
@@ -1548,8 +1549,9 @@ impl Engine {
         az: &str,
         span: u32,
         reason: &str,
+        claim: Option<&crate::store::Lease>,
     ) -> Result<()> {
-        self.store.set_vserver_span(vserver_id, az, span)?;
+        self.store.set_vserver_span(vserver_id, az, span, claim)?;
         self.store
             .record_event(group_id, Some(az), "vserver_span", reason)?;
         self.redeploy(Some(group_id.to_string())).await

@@ -686,6 +686,7 @@ impl Store {
         })?;
         Ok(())
     }
+    /// Updates the group; the spans of its vservers in AZs it no longer has go.
     pub fn update_group(&self, id: &str, spec: &GroupSpec) -> Result<()> {
         self.update_named(
             "autoscale group",
@@ -693,7 +694,30 @@ impl Store {
             &spec.name,
             &spec.traffic_distributor_id,
             spec,
-        )
+        )?;
+        let spans: Vec<(String, String)> = self.with(|c| {
+            c.query(
+                "SELECT sp.vserver_id, sp.az FROM vserver_spans sp
+                 JOIN vservers v ON v.id = sp.vserver_id
+                 JOIN se_groups s ON s.id = v.se_group_id
+                 WHERE s.group_id = ?1",
+                vals![id],
+            )?
+            .iter()
+            .map(|r| Ok((r.text(0)?, r.text(1)?)))
+            .collect()
+        })?;
+        for (vserver, az) in spans {
+            if !spec.availability_zones.contains(&az) {
+                self.with(|c| {
+                    c.execute(
+                        "DELETE FROM vserver_spans WHERE vserver_id = ?1 AND az = ?2",
+                        vals![&vserver, &az],
+                    )
+                })?;
+            }
+        }
+        Ok(())
     }
     pub fn group(&self, id: &str) -> Result<Option<Row<GroupSpec>>> {
         self.get_by("autoscale group", "id", id)
@@ -922,17 +946,41 @@ impl Store {
         .map(|v| v.map(|s| s.clamp(1, i64::from(u32::MAX)) as u32))
     }
     /// Records the span; nothing for a vserver that is gone (deleted since the
-    /// caller looked), so that no row outlives it.
-    pub fn set_vserver_span(&self, vserver_id: &str, az: &str, span: u32) -> Result<()> {
-        self.with(|c| {
-            c.execute(
+    /// caller looked), so that no row outlives it. With `claim` (the daemon's
+    /// claim on the group), refused with [`StoreError::LeaseLost`] unless it is
+    /// the current, unexpired claim: a daemon that lost the group does not size
+    /// its vservers. The check and the write are one transaction.
+    pub fn set_vserver_span(
+        &self,
+        vserver_id: &str,
+        az: &str,
+        span: u32,
+        claim: Option<&Lease>,
+    ) -> Result<()> {
+        let now = now_ms();
+        self.tx(|tx| {
+            if let Some(claim) = claim {
+                match lease_row(tx, &claim.group_id)? {
+                    Some((h, f, exp)) if h == claim.holder && f == claim.fence && exp > now => {}
+                    _ => {
+                        return Err(StoreError::LeaseLost {
+                            group: claim.group_id.clone(),
+                            detail: format!(
+                                "span not written: the claim (fence {}) is no longer this daemon's",
+                                claim.fence
+                            ),
+                        })
+                    }
+                }
+            }
+            tx.execute(
                 "INSERT INTO vserver_spans (vserver_id, az, span)
                  SELECT ?1, ?2, ?3 WHERE EXISTS (SELECT 1 FROM vservers WHERE id = ?1)
                  ON CONFLICT (vserver_id, az) DO UPDATE SET span = excluded.span",
                 vals![vserver_id, az, i64::from(span)],
-            )
-        })?;
-        Ok(())
+            )?;
+            Ok(())
+        })
     }
     /// Every vserver placed on the group, through its SE groups.
     pub fn vservers_of_group(&self, group_id: &str) -> Result<Vec<Row<VserverSpec>>> {

@@ -211,17 +211,52 @@ store_test!(
         let s = ts.open();
         ts.raw("INSERT INTO vservers (id, name, se_group_id, spec, created_at) VALUES ('vs-1', 'v', 'seg', '{}', 0)");
         // A vserver that is gone (deleted since the daemon looked) gets no row.
-        s.set_vserver_span("vs-gone", "az1", 3).unwrap();
+        s.set_vserver_span("vs-gone", "az1", 3, None).unwrap();
         assert_eq!(s.vserver_span("vs-gone", "az1").unwrap(), None);
         assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), None);
-        s.set_vserver_span("vs-1", "az1", 2).unwrap();
-        s.set_vserver_span("vs-1", "az2", 3).unwrap();
-        s.set_vserver_span("vs-1", "az1", 4).unwrap();
+        s.set_vserver_span("vs-1", "az1", 2, None).unwrap();
+        s.set_vserver_span("vs-1", "az2", 3, None).unwrap();
+        s.set_vserver_span("vs-1", "az1", 4, None).unwrap();
         drop(s);
         let s = ts.open();
         assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(4));
         assert_eq!(s.vserver_span("vs-1", "az2").unwrap(), Some(3));
+        // Under a daemon's claim: written while it holds the claim, refused
+        // once another daemon took the group.
+        group(&s, "g1");
+        let key = daemon_claim_key("g1");
+        let old = s
+            .acquire_lease(&key, "daemon-a", Duration::from_millis(400))
+            .unwrap();
+        s.set_vserver_span("vs-1", "az1", 5, Some(&old)).unwrap();
+        assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(5));
+        // The claim lapses (its daemon stopped renewing it); another takes it.
+        std::thread::sleep(Duration::from_millis(500));
+        let new = s
+            .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
+            .unwrap();
+        assert!(matches!(
+            s.set_vserver_span("vs-1", "az1", 1, Some(&old)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        s.set_vserver_span("vs-1", "az1", 6, Some(&new)).unwrap();
+        assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(6));
         s.delete_vserver("vs-1").unwrap();
         assert_eq!(s.count_rows("vserver_spans").unwrap(), 0);
     }
 );
+
+// A group that leaves an AZ takes its vservers' spans there with it.
+store_test!(a_group_leaving_an_az_drops_its_spans_there, |ts| {
+    let s = ts.open();
+    group(&s, "g1");
+    ts.raw("INSERT INTO se_groups (id, name, group_id, spec, created_at) VALUES ('seg', 'seg', 'g1', '{}', 0)");
+    ts.raw("INSERT INTO vservers (id, name, se_group_id, spec, created_at) VALUES ('vs-1', 'v', 'seg', '{}', 0)");
+    s.set_vserver_span("vs-1", "az1", 2, None).unwrap();
+    s.set_vserver_span("vs-1", "az2", 3, None).unwrap();
+    let mut spec = s.group("g1").unwrap().unwrap().spec;
+    spec.availability_zones = vec!["az1".into()];
+    s.update_group("g1", &spec).unwrap();
+    assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(2));
+    assert_eq!(s.vserver_span("vs-1", "az2").unwrap(), None);
+});

@@ -342,7 +342,7 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
     // the CPU-equalising shares of 2 nodes are 0.7/1.7 and 1/1.7 (seplan).
     let engine = ws.engine();
     engine
-        .set_vserver_span(&group_id, &web_id, "az1", 2, "test: span 2")
+        .set_vserver_span(&group_id, &web_id, "az1", 2, "test: span 2", None)
         .await
         .unwrap();
     ws.assert_plan_empty("a span change");
@@ -365,7 +365,7 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
     // A span larger than the AZ (max_scaleout_per_vs, 4) takes every node, and
     // a node that joins the group joins the vserver at once.
     engine
-        .set_vserver_span(&group_id, &web_id, "az1", 4, "test: span 4")
+        .set_vserver_span(&group_id, &web_id, "az1", 4, "test: span 4", None)
         .await
         .unwrap();
 
