@@ -351,6 +351,36 @@ async fn a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it() {
         moto.zones().iter().any(|z| z.1 == zone),
         "the operator's zone stays"
     );
+
+    // A record the operator wrote is neither taken over nor deleted.
+    let taken = format!("taken.{parent}");
+    let zone_id = moto.zones().into_iter().find(|z| z.1 == zone).unwrap().0;
+    moto.call(
+        "route53",
+        "POST",
+        &format!("/2013-04-01/hostedzone/{zone_id}/rrset"),
+        Some(&format!(
+            r#"<?xml version="1.0" encoding="UTF-8"?><ChangeResourceRecordSetsRequest xmlns="https://route53.amazonaws.com/doc/2013-04-01/"><ChangeBatch><Changes><Change><Action>CREATE</Action><ResourceRecordSet><Name>{taken}</Name><Type>A</Type><TTL>300</TTL><ResourceRecords><ResourceRecord><Value>192.0.2.7</Value></ResourceRecord></ResourceRecords></ResourceRecordSet></Change></Changes></ChangeBatch></ChangeResourceRecordSetsRequest>"#
+        )),
+    );
+    let spec = dns_spec(&taken);
+    let id = unique("td");
+    store.insert_distributor(&id, &spec).unwrap();
+    let e = cloud
+        .publish(&id, &spec, &publication(&[("us-east-1a", "54.5.5.5")]))
+        .await
+        .expect_err("the operator's record")
+        .to_string();
+    assert!(
+        e.contains("not this distributor's") && e.contains(&taken),
+        "{e}"
+    );
+    cloud.remove(&id).await.expect("remove");
+    assert_eq!(
+        moto.a_records(&zone, &format!("{taken}.")),
+        vec![("300".to_string(), vec!["192.0.2.7".to_string()])],
+        "the operator's record is untouched"
+    );
 }
 
 /// An ELBv2 query through curl, as any other client would make it.

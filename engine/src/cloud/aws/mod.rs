@@ -307,10 +307,16 @@ impl AwsCloud {
         }
     }
 
-    /// The `A` record of `name` in `zone`: its TTL and values, if it exists.
-    async fn a_record(&self, zone: &str, name: &str) -> Result<Option<(u64, Vec<String>)>> {
+    /// The record set of `name` and `rtype` in `zone`: its TTL and values, if
+    /// it exists.
+    async fn record(
+        &self,
+        zone: &str,
+        name: &str,
+        rtype: &str,
+    ) -> Result<Option<(u64, Vec<String>)>> {
         let path = format!(
-            "{ROUTE53}/hostedzone/{zone}/rrset?name={}&type=A&maxitems=1",
+            "{ROUTE53}/hostedzone/{zone}/rrset?name={}&type={rtype}&maxitems=1",
             sigv4::uri_encode(name)
         );
         let body = self
@@ -318,7 +324,7 @@ impl AwsCloud {
             .await?;
         let doc = xml::parse("route53 ListResourceRecordSets", &body)?;
         let Some(set) = xml::find_all(doc.root(), "ResourceRecordSet").find(|s| {
-            xml::child_text(*s, "Type").as_deref() == Some("A")
+            xml::child_text(*s, "Type").as_deref() == Some(rtype)
                 && xml::child_text(*s, "Name").is_some_and(|n| same_name(&n, name))
         }) else {
             return Ok(None);
@@ -326,34 +332,46 @@ impl AwsCloud {
         let ttl = xml::child_text(set, "TTL")
             .and_then(|t| t.parse().ok())
             .unwrap_or(0);
-        let values = xml::find_all(set, "Value")
+        let mut values: Vec<String> = xml::find_all(set, "Value")
             .map(|v| v.text().unwrap_or("").trim().to_string())
             .collect();
+        values.sort();
         Ok(Some((ttl, values)))
     }
 
-    /// Sends one change of the `A` record of `name` and waits until it is in sync.
-    async fn change_a_record(
-        &self,
-        zone: &str,
-        action: &str,
-        name: &str,
-        ttl: u64,
-        values: &[String],
-    ) -> Result<()> {
-        let records: String = values
+    /// Whether the `A` record of `domain` in `zone` is this distributor's:
+    /// its owner record (`_lbscale.<domain>`, TXT) names the distributor.
+    async fn owns(&self, zone: &str, domain: &str, id: &str) -> Result<bool> {
+        Ok(self
+            .record(zone, &owner_name(domain), "TXT")
+            .await?
+            .is_some_and(|(_, values)| values == [owner_value(id)]))
+    }
+
+    /// Sends one batch of changes (applied together or not at all) and waits
+    /// until Route 53 has them everywhere.
+    async fn change_records(&self, zone: &str, changes: &[RecordChange<'_>]) -> Result<()> {
+        let changes_xml: String = changes
             .iter()
-            .map(|v| {
+            .map(|c| {
+                let records: String = c
+                    .values
+                    .iter()
+                    .map(|v| format!("<ResourceRecord><Value>{}</Value></ResourceRecord>", xml::escape(v)))
+                    .collect();
                 format!(
-                    "<ResourceRecord><Value>{}</Value></ResourceRecord>",
-                    xml::escape(v)
+                    "<Change><Action>{}</Action><ResourceRecordSet><Name>{}</Name><Type>{}</Type><TTL>{}</TTL><ResourceRecords>{records}</ResourceRecords></ResourceRecordSet></Change>",
+                    c.action,
+                    xml::escape(c.name),
+                    c.rtype,
+                    c.ttl
                 )
             })
             .collect();
         let body = format!(
-            r#"<?xml version="1.0" encoding="UTF-8"?><ChangeResourceRecordSetsRequest xmlns="{ROUTE53_NS}"><ChangeBatch><Comment>lbscale</Comment><Changes><Change><Action>{action}</Action><ResourceRecordSet><Name>{}</Name><Type>A</Type><TTL>{ttl}</TTL><ResourceRecords>{records}</ResourceRecords></ResourceRecordSet></Change></Changes></ChangeBatch></ChangeResourceRecordSetsRequest>"#,
-            xml::escape(name)
+            r#"<?xml version="1.0" encoding="UTF-8"?><ChangeResourceRecordSetsRequest xmlns="{ROUTE53_NS}"><ChangeBatch><Comment>lbscale</Comment><Changes>{changes_xml}</Changes></ChangeBatch></ChangeResourceRecordSetsRequest>"#
         );
+        let name = changes.first().map(|c| c.name).unwrap_or_default();
         let answer = self
             .route53(
                 "ChangeResourceRecordSets",
@@ -388,11 +406,59 @@ impl AwsCloud {
         }
         Ok(())
     }
+
+    /// Deletes this distributor's `A` record of `domain` and its owner record.
+    /// An `A` record that is not this distributor's is left alone.
+    async fn delete_owned(&self, zone: &str, domain: &str, id: &str) -> Result<()> {
+        let owner = owner_name(domain);
+        let Some((owner_ttl, owner_values)) = self.record(zone, &owner, "TXT").await? else {
+            return Ok(());
+        };
+        if owner_values != [owner_value(id)] {
+            return Ok(());
+        }
+        let mut changes = vec![RecordChange {
+            action: "DELETE",
+            name: &owner,
+            rtype: "TXT",
+            ttl: owner_ttl,
+            values: owner_values.clone(),
+        }];
+        if let Some((ttl, values)) = self.record(zone, domain, "A").await? {
+            changes.push(RecordChange {
+                action: "DELETE",
+                name: domain,
+                rtype: "A",
+                ttl,
+                values,
+            });
+        }
+        self.change_records(zone, &changes).await
+    }
+}
+
+/// One change of a record set.
+struct RecordChange<'a> {
+    action: &'static str,
+    name: &'a str,
+    rtype: &'static str,
+    ttl: u64,
+    values: Vec<String>,
+}
+
+/// Where a distributor marks the `A` record of `domain` as its own.
+fn owner_name(domain: &str) -> String {
+    format!("_lbscale.{}", domain.trim_end_matches('.'))
+}
+
+/// The owner record's value (a TXT value is a quoted string).
+fn owner_value(id: &str) -> String {
+    format!("\"lbscale distributor {id}\"")
 }
 
 impl AwsCloud {
-    /// Deletes the `A` record of `domain` and, if lbscale created it, the
-    /// zone. A zone that the store lost track of (a crash before it was
+    /// Deletes this distributor's `A` record of `domain` and, if lbscale
+    /// created it, the zone. A zone that the store lost track of (a crash before it was
     /// saved) is found by its caller reference.
     async fn remove_dns(&self, id: &str, domain: &str, rt: &DistributorRuntime) -> Result<()> {
         let (zone, created) = match &rt.zone_id {
@@ -410,12 +476,8 @@ impl AwsCloud {
                 }
             }
         };
-        match self.a_record(&zone, domain).await {
-            Ok(Some((ttl, values))) => {
-                self.change_a_record(&zone, "DELETE", domain, ttl, &values)
-                    .await?
-            }
-            Ok(None) => {}
+        match self.delete_owned(&zone, domain, id).await {
+            Ok(()) => {}
             Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => return Ok(()),
             Err(e) => return Err(e),
         }
@@ -799,7 +861,7 @@ impl Distributor for AwsCloud {
             publication.endpoints.values().flatten().cloned().collect();
         addresses.sort();
         addresses.dedup();
-        let current = match self.a_record(&zone, &domain).await {
+        let current = match self.record(&zone, &domain, "A").await {
             Ok(c) => c,
             Err(CloudError::Failed(m)) if m.contains("NoSuchHostedZone") => {
                 // Deleted outside lbscale: choose (or make) a zone again next time.
@@ -809,21 +871,37 @@ impl Distributor for AwsCloud {
                 )));
             }
             Err(e) => return Err(e),
+        };
+        // Never take over (nor later delete) a record someone else wrote.
+        if current.is_some() && !self.owns(&zone, &domain, id).await? {
+            return Err(CloudError::Failed(format!(
+                "an A record of {domain} already exists in hosted zone {zone} and is not this distributor's (no TXT record {} naming it): delete it, or give the distributor another domain",
+                owner_name(&domain)
+            )));
         }
-        .map(|(t, mut values)| {
-            values.sort();
-            (t, values)
-        });
+        let owner = owner_name(&domain);
         match (current, addresses.is_empty()) {
             (Some((t, values)), _) if t == ttl && values == addresses => Ok(()),
-            (Some((t, values)), true) => {
-                self.change_a_record(&zone, "DELETE", &domain, t, &values)
-                    .await
-            }
+            (Some(_), true) => self.delete_owned(&zone, &domain, id).await,
             (None, true) => Ok(()),
             (_, false) => {
-                self.change_a_record(&zone, "UPSERT", &domain, ttl, &addresses)
-                    .await
+                let changes = [
+                    RecordChange {
+                        action: "UPSERT",
+                        name: &domain,
+                        rtype: "A",
+                        ttl,
+                        values: addresses,
+                    },
+                    RecordChange {
+                        action: "UPSERT",
+                        name: &owner,
+                        rtype: "TXT",
+                        ttl,
+                        values: vec![owner_value(id)],
+                    },
+                ];
+                self.change_records(&zone, &changes).await
             }
         }
     }
