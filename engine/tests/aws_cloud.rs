@@ -513,8 +513,9 @@ async fn an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port(
         ["us-east-1a", "us-east-1b"]
     );
     assert!(
-        addresses["us-east-1a"].contains("elb.amazonaws.com"),
-        "{addresses:?}"
+        addresses["us-east-1a"].starts_with("us-east-1a.lbscale-")
+            && addresses["us-east-1a"].contains("elb.amazonaws.com"),
+        "the zonal name of the load balancer: {addresses:?}"
     );
 
     // Port 443 goes and a node leaves: its listener and target group go, and

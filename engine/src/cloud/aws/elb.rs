@@ -393,11 +393,13 @@ impl AwsCloud {
                 lb.azs
                     .iter()
                     .map(|az| {
+                        // Without an IP of its own in the AZ, the load balancer's
+                        // zonal name, which resolves to its address there only.
                         let a = lb
                             .addresses
                             .get(az)
                             .cloned()
-                            .unwrap_or_else(|| lb.dns_name.clone());
+                            .unwrap_or_else(|| format!("{az}.{}", lb.dns_name));
                         (az.clone(), a)
                     })
                     .collect()

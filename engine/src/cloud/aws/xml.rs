@@ -48,11 +48,19 @@ pub fn child_text(node: Node<'_, '_>, name: &str) -> Option<String> {
 /// API's envelope).
 pub fn error_code_and_message(text: &str) -> Option<(String, String)> {
     let doc = Document::parse(text).ok()?;
-    let err = find(doc.root(), "Error")?;
-    Some((
-        text_of(err, "Code")?,
-        text_of(err, "Message").unwrap_or_default(),
-    ))
+    if let Some(err) = find(doc.root(), "Error") {
+        return Some((
+            text_of(err, "Code")?,
+            text_of(err, "Message").unwrap_or_default(),
+        ));
+    }
+    // Route 53's InvalidChangeBatch: the root names the error, and each
+    // reason is a <Message>.
+    let root = doc.root_element();
+    let messages: Vec<String> = find_all(root, "Message")
+        .filter_map(|m| m.text().map(|t| t.trim().to_string()))
+        .collect();
+    (!messages.is_empty()).then(|| (root.tag_name().name().to_string(), messages.join("; ")))
 }
 
 fn text_of(node: Node<'_, '_>, name: &str) -> Option<String> {
@@ -87,6 +95,10 @@ mod tests {
             Some("NoSuchHostedZone".into())
         );
         assert_eq!(error_code_and_message("<html>bad gateway</html>"), None);
+        let batch = r#"<?xml version="1.0" encoding="UTF-8"?><InvalidChangeBatch xmlns="https://route53.amazonaws.com/doc/2013-04-01/"><Messages><Message>Tried to delete resource record set [name='a.example.com.', type='A'] but it was not found</Message></Messages></InvalidChangeBatch>"#;
+        let (code, message) = error_code_and_message(batch).unwrap();
+        assert_eq!(code, "InvalidChangeBatch");
+        assert!(message.contains("was not found"), "{message}");
         assert_eq!(escape("a<b&\"c\">"), "a&lt;b&amp;&quot;c&quot;&gt;");
     }
 }
