@@ -28,7 +28,11 @@ commands:
   events --state URL [--group NAME] [--limit N]
                          recorded decisions and workflow steps
                          (--state may be left out when LBSCALE_STATE holds the URL:
-                         a PostgreSQL password then stays off the command line)
+                         a PostgreSQL password then stays off the command line;
+                         groups on aws take AWS_REGION, AWS_ACCESS_KEY_ID,
+                         AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL,
+                         AWS_CA_BUNDLE, LBSCALE_AWS_IMAGE_ID and
+                         LBSCALE_AWS_INSTANCE_TYPE from the environment)
   load --url http://HOST[:PORT]/PATH [--dns IP:PORT | --resolve HOST:PORT:IP]...
        [--rate N] [--connections N] [--duration 60s] [--report 2s] [--csv FILE]
                          drive HTTP traffic, printing req/s and Mbps as it goes

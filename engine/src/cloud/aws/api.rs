@@ -37,18 +37,47 @@ impl Service {
             Service::Route53 => "route53",
         }
     }
-    /// Route 53 is global: signed for us-east-1 whatever the region.
+    /// Route 53 is global within a partition: signed for the partition's
+    /// first region whatever the region.
     fn signing_region(self, region: &str) -> String {
-        match self {
-            Service::Route53 => "us-east-1".into(),
+        match (self, Partition::of(region)) {
+            (Service::Route53, Partition::Aws) => "us-east-1".into(),
+            (Service::Route53, Partition::China) => "cn-northwest-1".into(),
+            (Service::Route53, Partition::GovCloud) => "us-gov-west-1".into(),
             _ => region.into(),
         }
     }
     fn default_host(self, region: &str) -> String {
-        match self {
-            Service::Ec2 => format!("ec2.{region}.amazonaws.com"),
-            Service::Elb => format!("elasticloadbalancing.{region}.amazonaws.com"),
-            Service::Route53 => "route53.amazonaws.com".into(),
+        let suffix = match Partition::of(region) {
+            Partition::China => "amazonaws.com.cn",
+            _ => "amazonaws.com",
+        };
+        match (self, Partition::of(region)) {
+            (Service::Ec2, _) => format!("ec2.{region}.{suffix}"),
+            (Service::Elb, _) => format!("elasticloadbalancing.{region}.{suffix}"),
+            (Service::Route53, Partition::Aws) => "route53.amazonaws.com".into(),
+            (Service::Route53, Partition::China) => "route53.amazonaws.com.cn".into(),
+            (Service::Route53, Partition::GovCloud) => "route53.us-gov.amazonaws.com".into(),
+        }
+    }
+}
+
+/// AWS's partitions: their own endpoints and their own global region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Partition {
+    Aws,
+    China,
+    GovCloud,
+}
+
+impl Partition {
+    fn of(region: &str) -> Partition {
+        if region.starts_with("cn-") {
+            Partition::China
+        } else if region.starts_with("us-gov-") {
+            Partition::GovCloud
+        } else {
+            Partition::Aws
         }
     }
 }
@@ -412,7 +441,40 @@ pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
 
 #[cfg(test)]
 mod tests {
-    use super::{AwsApi, Credentials, Endpoint};
+    use super::{AwsApi, Credentials, Endpoint, Service};
+
+    #[test]
+    fn each_partition_has_its_endpoints_and_route53_region() {
+        assert_eq!(
+            Service::Ec2.default_host("eu-west-1"),
+            "ec2.eu-west-1.amazonaws.com"
+        );
+        assert_eq!(Service::Route53.signing_region("eu-west-1"), "us-east-1");
+        assert_eq!(
+            Service::Ec2.default_host("cn-north-1"),
+            "ec2.cn-north-1.amazonaws.com.cn"
+        );
+        assert_eq!(
+            Service::Route53.default_host("cn-north-1"),
+            "route53.amazonaws.com.cn"
+        );
+        assert_eq!(
+            Service::Route53.signing_region("cn-north-1"),
+            "cn-northwest-1"
+        );
+        assert_eq!(
+            Service::Route53.default_host("us-gov-east-1"),
+            "route53.us-gov.amazonaws.com"
+        );
+        assert_eq!(
+            Service::Route53.signing_region("us-gov-east-1"),
+            "us-gov-west-1"
+        );
+        assert_eq!(
+            Service::Elb.signing_region("us-gov-east-1"),
+            "us-gov-east-1"
+        );
+    }
     use std::sync::Arc;
 
     #[test]
