@@ -20,6 +20,8 @@ moto_version=5.2.5
 cmd=${1:-}
 
 log() { echo "moto.sh: $*" >&2; }
+# shellcheck source=scripts/lib.sh
+. "$root/scripts/lib.sh"
 
 install() {
     if [ -x "$venv/bin/moto_server" ] && [ -f "$venv/.version-$moto_version" ]; then
@@ -47,34 +49,9 @@ install() {
     touch "$venv/.version-$moto_version"
 }
 
-free_port() {
-    local p
-    for _ in $(seq 1 50); do
-        p=$((20000 + RANDOM % 20000))
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-            echo "$p"
-            return 0
-        fi
-    done
-    log "no free port found"
-    exit 1
-}
-
 # A throwaway CA and a certificate it signed for 127.0.0.1.
 make_certificates() {
-    local t="$dir/tls"
-    mkdir -p "$t"
-    (
-        cd "$t"
-        openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lbscale moto CA" \
-            -keyout ca.key -out ca.pem
-        openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" -keyout server.key -out server.csr
-        printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >server.ext
-        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
-            -extfile server.ext -out server.crt
-    ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; exit 1; }
-    rm -f "$t/ca.key" "$t/server.csr"
-    chmod 600 "$t/server.key"
+    make_tls_certificates "$dir/tls" "lbscale moto CA"
 }
 
 running() {

@@ -22,6 +22,8 @@ dir=${LBSCALE_PG_DIR:-/tmp/lbscale-pg-$(id -u)}
 cmd=${1:-}
 
 log() { echo "postgres.sh: $*" >&2; }
+# shellcheck source=scripts/lib.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 
 as_server_user() {
     if [ "$(id -u)" = 0 ]; then
@@ -65,19 +67,6 @@ install() {
     [ -n "$(bindir)" ] || { log "PostgreSQL is not installed"; exit 1; }
 }
 
-free_port() {
-    local p
-    for _ in $(seq 1 50); do
-        p=$((20000 + RANDOM % 20000))
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-            echo "$p"
-            return 0
-        fi
-    done
-    log "no free port found"
-    exit 1
-}
-
 start() {
     if [ -f "$dir/url" ] && [ -f "$dir/data/postmaster.pid" ]; then
         cat "$dir/url"
@@ -110,19 +99,7 @@ start() {
 # A throwaway CA and a server certificate it signed, for the TLS tests.
 make_certificates() {
     local t="$dir/tls"
-    mkdir -p "$t"
-    (
-        cd "$t"
-        openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lbscale test CA" \
-            -keyout ca.key -out ca.pem
-        openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" -keyout server.key -out server.csr
-        printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >server.ext
-        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
-            -extfile server.ext -out server.crt
-    ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; exit 1; }
-    rm -f "$t/ca.key" "$t/server.csr"
-    chmod 600 "$t/server.key"
-    chmod 644 "$t/ca.pem"
+    make_tls_certificates "$t" "lbscale test CA"
     if [ "$(id -u)" = 0 ]; then
         chown -R postgres:postgres "$t"
     fi

@@ -190,17 +190,11 @@ impl LocalCloud {
     }
 
     fn runtime(&self, id: &str) -> DistributorRuntime {
-        self.store
-            .distributor_runtime(id)
-            .ok()
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default()
+        super::load_runtime(&self.store, id).unwrap_or_default()
     }
 
     fn save_runtime(&self, id: &str, rt: &DistributorRuntime) -> Result<()> {
-        self.store
-            .set_distributor_runtime(id, &serde_json::to_value(rt).expect("runtime serialises"))
-            .map_err(|e| CloudError::Failed(e.to_string()))
+        super::save_runtime(&self.store, id, rt)
     }
 }
 

@@ -27,6 +27,40 @@ pub enum CloudError {
 
 pub type Result<T> = std::result::Result<T, CloudError>;
 
+/// What a driver keeps of distributor `id` between calls, from the store
+/// (the default before the first save). A store error, or a record that does
+/// not read, is an error: an empty one would forget what exists.
+pub(crate) fn load_runtime<T: serde::de::DeserializeOwned + Default>(
+    store: &crate::store::Store,
+    id: &str,
+) -> Result<T> {
+    let v = store
+        .distributor_runtime(id)
+        .map_err(|e| CloudError::Failed(e.to_string()))?;
+    if v.is_null() {
+        return Ok(T::default());
+    }
+    serde_json::from_value(v).map_err(|e| {
+        CloudError::Failed(format!(
+            "the stored runtime of distributor {id} does not read: {e}"
+        ))
+    })
+}
+
+/// Saves what a driver keeps of distributor `id`.
+pub(crate) fn save_runtime<T: serde::Serialize>(
+    store: &crate::store::Store,
+    id: &str,
+    runtime: &T,
+) -> Result<()> {
+    store
+        .set_distributor_runtime(
+            id,
+            &serde_json::to_value(runtime).expect("runtime serialises"),
+        )
+        .map_err(|e| CloudError::Failed(e.to_string()))
+}
+
 /// What the engine asks for when it needs a node.
 #[derive(Debug, Clone)]
 pub struct ProvisionRequest {

@@ -242,24 +242,11 @@ impl AwsCloud {
     /// As [`Self::runtime`], for what acts on it: a store error is an error,
     /// not an empty runtime (which would forget a zone that exists).
     fn runtime_checked(&self, id: &str) -> Result<DistributorRuntime> {
-        let v = self
-            .store
-            .distributor_runtime(id)
-            .map_err(|e| CloudError::Failed(e.to_string()))?;
-        if v.is_null() {
-            return Ok(DistributorRuntime::default());
-        }
-        serde_json::from_value(v).map_err(|e| {
-            CloudError::Failed(format!(
-                "the stored runtime of distributor {id} does not read: {e}"
-            ))
-        })
+        super::load_runtime(&self.store, id)
     }
 
     fn save_runtime(&self, id: &str, rt: &DistributorRuntime) -> Result<()> {
-        self.store
-            .set_distributor_runtime(id, &serde_json::to_value(rt).expect("runtime serialises"))
-            .map_err(|e| CloudError::Failed(e.to_string()))
+        super::save_runtime(&self.store, id, rt)
     }
 
     async fn route53(
