@@ -2,7 +2,7 @@
 //! hyper client connections towards each service.
 
 use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -373,13 +373,15 @@ async fn proxy(
 
 /// Serves one client connection until it closes, the vserver closes (graceful:
 /// in-flight requests finish, idle keep-alive closes) or the node is killed.
-/// `client` is the SOURCEIP persistence key: the peer's address, or the one a
-/// scale-out primary announced.
-pub async fn serve_conn(stream: TcpStream, peer: SocketAddr, client: IpAddr, vs: Arc<Vserver>) {
+/// `client` is the client's address: the peer's, or the one a scale-out
+/// primary announced (read only from the group's nodes). It is the SOURCEIP
+/// persistence key and what `X-Forwarded-For` names, so that a service behind
+/// a secondary sees the client, not the primary.
+pub async fn serve_conn(stream: TcpStream, client: IpAddr, vs: Arc<Vserver>) {
     let _g = ConnGuard::new();
     let _ = stream.set_nodelay(true);
-    let xff = HeaderValue::from_str(&peer.ip().to_string())
-        .unwrap_or(HeaderValue::from_static("unknown"));
+    let xff =
+        HeaderValue::from_str(&client.to_string()).unwrap_or(HeaderValue::from_static("unknown"));
     let vs2 = vs.clone();
     let cache = std::sync::Mutex::new(CachedState {
         generation: vs.generation(),

@@ -17,8 +17,8 @@
 //!   [`connect_from_node`]). A service therefore sees the secondary's address, its
 //!   reply returns to the secondary, which hands it back over the primary's
 //!   forwarded connection to the client: the return path crosses the same nodes as
-//!   the request. (The secondary sees the primary as its client, so an HTTP
-//!   secondary's `X-Forwarded-For` names the primary, not the client.)
+//!   the request. (An HTTP secondary's `X-Forwarded-For` names the client the
+//!   primary announced, below.)
 //! - **Unreachable secondary**: the connection is served on the primary (it counts
 //!   as served there) and that secondary is skipped for [`PEER_RETRY`].
 //! - **Scale-in**: a secondary dropped from the list (or every secondary, when the
@@ -566,7 +566,7 @@ pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
     };
     vs.scaleout.count_served();
     match vs.state().kind {
-        Kind::Http => crate::http::serve_conn(client, from, source, vs).await,
+        Kind::Http => crate::http::serve_conn(client, source, vs).await,
         _ => crate::tcp::serve_conn(client, source, vs).await,
     }
 }

@@ -50,7 +50,7 @@ async fn source_http_backend(addr: &str) -> tokio::task::JoinHandle<()> {
         while let Ok((mut s, from)) = l.accept().await {
             tokio::spawn(async move {
                 let body = from.ip().to_string();
-                let mut buf = Vec::new();
+                let mut buf: Vec<u8> = Vec::new();
                 let mut tmp = [0u8; 4096];
                 loop {
                     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -60,9 +60,19 @@ async fn source_http_backend(addr: &str) -> tokio::task::JoinHandle<()> {
                         }
                     }
                     let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    // The X-Forwarded-For it was sent, echoed as x-seen-xff.
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    let xff = head
+                        .lines()
+                        .find_map(|l| {
+                            let (k, v) = l.split_once(':')?;
+                            k.eq_ignore_ascii_case("x-forwarded-for")
+                                .then(|| v.trim().to_string())
+                        })
+                        .unwrap_or_default();
                     buf.drain(..end);
                     let resp = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nx-seen-xff: {xff}\r\n\r\n{body}",
                         body.len()
                     );
                     if s.write_all(resp.as_bytes()).await.is_err() {
@@ -245,15 +255,25 @@ async fn primary_forwards_the_secondaries_share_with_source_nat() {
         let r = http_get("127.86.1.1:8081", "/").await;
         assert_eq!(r.status, 200);
         let node = r.header("x-lbscale-node").unwrap_or("?").to_string();
-        (String::from_utf8_lossy(&r.body).to_string(), node)
+        let xff = r.header("x-seen-xff").unwrap_or("").to_string();
+        (String::from_utf8_lossy(&r.body).to_string(), node, xff)
     })
     .await;
+    // X-Forwarded-For names the client wherever it was served: on a secondary,
+    // the client the primary announced, not the primary.
+    let xffs: std::collections::BTreeSet<&str> =
+        http_sources.iter().map(|x| x.2.as_str()).collect();
+    assert_eq!(xffs.len(), 1, "one client, one X-Forwarded-For: {xffs:?}");
+    assert!(
+        xffs.iter().all(|x| !x.is_empty() && !NODES.contains(x)),
+        "X-Forwarded-For names a node, not the client: {xffs:?}"
+    );
 
     let tcp_counts = count(&tcp_sources);
     let http_counts = count(&http_sources.iter().map(|x| x.0.clone()).collect::<Vec<_>>());
     // Source NAT: the backend sees the serving node's own address, and for HTTP that
     // is the node that answered (x-lbscale-node names it).
-    for (src, node) in &http_sources {
+    for (src, node, _) in &http_sources {
         let i = NODES
             .iter()
             .position(|n| n == src)
