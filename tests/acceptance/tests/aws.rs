@@ -226,9 +226,7 @@ resource "lbscale_autoscale_group" "g" {
   }
 }
 "#;
-    ws.write(stack);
-    let o = ws.plan();
-    assert_eq!(o.code, 1, "{}", o.all());
+    let o = plan_refused(&mut ws, None, stack);
     let d = diagnostics(&o.all());
     assert!(
         d.iter().any(|d| d.summary == "Cloud not usable"
@@ -236,10 +234,8 @@ resource "lbscale_autoscale_group" "g" {
             && d.text.contains("LBSCALE_AWS_IMAGE_ID")),
         "{d:?}"
     );
-    ws.provider_blocks = aws_block(&moto, "").replace("    region      = \"us-east-1\"\n", "");
-    ws.write(stack);
-    let o = ws.plan();
-    assert_eq!(o.code, 1, "{}", o.all());
+    let no_region = aws_block(&moto, "").replace("    region      = \"us-east-1\"\n", "");
+    let o = plan_refused(&mut ws, Some(no_region), stack);
     let d = diagnostics(&o.all());
     assert!(
         d.iter().any(|d| d.summary == "Cloud not usable"
@@ -249,11 +245,8 @@ resource "lbscale_autoscale_group" "g" {
     );
 
     // A credential without its secret: named, and not repeated.
-    ws.provider_blocks =
-        aws_block(&moto, "").replace(&format!("AKIDACCEPTANCE:{SECRET}"), "AKIDONLY");
-    ws.write(stack);
-    let o = ws.plan();
-    assert_eq!(o.code, 1, "{}", o.all());
+    let no_secret = aws_block(&moto, "").replace(&format!("AKIDACCEPTANCE:{SECRET}"), "AKIDONLY");
+    let o = plan_refused(&mut ws, Some(no_secret), stack);
     assert!(o.all().contains("Invalid credentials"), "{}", o.all());
     // Terraform quotes the configuration's line once; the message itself
     // does not repeat the value.
@@ -264,13 +257,23 @@ resource "lbscale_autoscale_group" "g" {
         o.all()
     );
     // An endpoint that is not a URL.
-    ws.provider_blocks = aws_block(&moto, "").replace(&moto.endpoint, "moto:5000");
-    ws.write(stack);
-    let o = ws.plan();
-    assert_eq!(o.code, 1, "{}", o.all());
+    let bad_endpoint = aws_block(&moto, "").replace(&moto.endpoint, "moto:5000");
+    let o = plan_refused(&mut ws, Some(bad_endpoint), stack);
     assert!(
         o.all().contains("Invalid endpoint") && o.all().contains("http(s)://HOST[:PORT]"),
         "{}",
         o.all()
     );
+}
+
+/// Plans `stack` (with these provider blocks, if given) and expects Terraform
+/// to refuse it (exit 1); its output is for the caller to check.
+fn plan_refused(ws: &mut Workspace, provider_blocks: Option<String>, stack: &str) -> Output {
+    if let Some(blocks) = provider_blocks {
+        ws.provider_blocks = blocks;
+    }
+    ws.write(stack);
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    o
 }

@@ -442,6 +442,7 @@ pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
 #[cfg(test)]
 mod tests {
     use super::{AwsApi, Credentials, Endpoint, Service};
+    use std::sync::Arc;
 
     #[test]
     fn each_partition_has_its_endpoints_and_route53_region() {
@@ -475,7 +476,6 @@ mod tests {
             "us-gov-east-1"
         );
     }
-    use std::sync::Arc;
 
     #[test]
     fn error_messages_never_show_the_secret_or_the_token() {
