@@ -9,8 +9,8 @@
 #   ./scripts/quickstart.sh --destroy  destroy what an earlier --keep left running
 #
 # Steps:
-#   1. scripts/setup.sh: apt packages (protoc, dig, curl), Terraform 1.0.3 into
-#      .tools/bin, `cargo build` of the provider, lbscale-node and lbscale;
+#   1. scripts/setup.sh: apt packages (dig, curl), protoc into .tools/protoc,
+#      Terraform 1.0.3 into .tools/bin, `cargo build` of the provider, lbscale-node and lbscale;
 #   2. a Terraform CLI configuration of its own (.tools/quickstart/terraformrc)
 #      with dev_overrides for lbscale/lbscale -> target/debug, so no registry and
 #      no `terraform init` are needed;

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs what lbscale needs to build and test on a Debian machine, then builds
 # the workspace. Idempotent: a second run only rebuilds what changed.
-#   - protoc (Debian's protobuf-compiler): the gRPC code of tf-provider and of
-#     lbscale-node's management API is generated at build time;
+#   - protoc with its well-known types, into .tools/protoc, from the crates.io
+#     crate protoc-bin-vendored (scripts/install-protoc.sh): the gRPC code of
+#     tf-provider and of lbscale-node's management API is generated at build
+#     time, and no system protoc is needed;
 #   - dig (dnsutils), curl: the quickstart and the tests query the local DNS
 #     distributor and the vservers with real clients;
 #   - Terraform 1.0.3, into .tools/bin (scripts/install-terraform.sh).
@@ -11,7 +13,6 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 need=()
-command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v dig >/dev/null 2>&1 || need+=(dnsutils)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 if [ ${#need[@]} -gt 0 ]; then
@@ -20,6 +21,9 @@ if [ ${#need[@]} -gt 0 ]; then
   timeout 600 $sudo apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive timeout 900 $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
 fi
+
+protoc=$("$root/scripts/install-protoc.sh")
+echo "setup: protoc at $protoc" >&2
 
 terraform=$("$root/scripts/install-terraform.sh")
 echo "setup: terraform at $terraform" >&2
