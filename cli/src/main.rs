@@ -1,6 +1,6 @@
 //! `lbscale`: the command-line face of the engine.
 //!
-//! Today it carries the what-if tools of cli.md (`simulate`, `slowstart`,
+//! Today it carries the what-if tools of docs/cli.md (`simulate`, `slowstart`,
 //! `se-plan`); the daemon, `status` and `events` join later as further arms of the
 //! `match` in [`run`], each with its own module under `cmd/`. Every command shares the
 //! same contract: JSON in (a file or `-` for standard input), JSON out on standard

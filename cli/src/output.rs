@@ -73,7 +73,7 @@ pub fn read_json(file: &str) -> Result<serde_json::Value, CliError> {
 }
 
 /// Prints `value` as one line of JSON with `", "` and `": "` separators, the layout
-/// of cli.md's examples, followed by a newline.
+/// of docs/cli.md's examples, followed by a newline.
 pub fn print_json<T: Serialize>(value: &T) -> Result<(), CliError> {
     let mut buf = Vec::new();
     let mut ser = serde_json::Serializer::with_formatter(&mut buf, SpacedFormatter);

@@ -15,7 +15,8 @@
 //! ```
 //!
 //! With `f = 0.3` this gives 1, 1.7, 2.4 and 3.1 for 1–4 nodes and shares
-//! `[0.032, 0.323, 0.323, 0.323]` for 4 nodes: G4 and cli.md's example. The primary's
+//! `[0.032, 0.323, 0.323, 0.323]` for 4 nodes: reference case G4 of
+//! docs/design.md and the `lbscale se-plan` example of docs/cli.md. The primary's
 //! share cannot go below zero: once `(N − 1) f > 1` (the 5th node at `f = 0.3`) the
 //! primary only forwards, its load is `f` per unit of traffic whatever the number of
 //! secondaries, and capacity stays at the ceiling `1 / f` (3.33 at `f = 0.3`): the

@@ -1,4 +1,4 @@
-//! Slow start of a vserver's new services (domain.md "Vserver with slow start").
+//! Slow start of a vserver's new services (docs/design.md, "Slow start").
 //!
 //! A *new* service (just bound, or back UP from DOWN) does not get its full share of
 //! the vserver's requests at once: it is capped, and what it does not take goes to the

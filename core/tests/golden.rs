@@ -1,4 +1,4 @@
-//! The golden cases of golden.md, as the project's own test data.
+//! The reference cases of docs/design.md (section 7), as the project's own test data.
 //!
 //! G1 is checked tick by tick in both its DNS and NLB forms from the JSON inputs in
 //! `tests/data/` (the same files the CLI tests feed to `lbscale simulate`).

@@ -1,4 +1,4 @@
-//! Errors about the whole input document name it (`input`), as cli.md requires of
+//! Errors about the whole input document name it (`input`), as docs/cli.md requires of
 //! every one-line error: `error: input: must be an object, got [1,2]`.
 
 use lbscale_core::{simulate, slowstart};

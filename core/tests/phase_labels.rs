@@ -1,4 +1,4 @@
-//! The `phase` of a tick row when a wait ends between two ticks (cli.md: "what the
+//! The `phase` of a tick row when a wait ends between two ticks (docs/cli.md: "what the
 //! AZ was doing at that tick").
 //!
 //! Rule: a tick is labelled `evaluating` when its statistics were evaluated;

@@ -164,7 +164,7 @@ mod tests {
         else {
             panic!("the oldest node is the primary: {:?}", p.roles)
         };
-        // cli.md: 4 nodes, cost 0.3 -> [0.032, 0.323, 0.323, 0.323].
+        // docs/cli.md (se-plan): 4 nodes, cost 0.3 -> [0.032, 0.323, 0.323, 0.323].
         assert!((own_share - 0.032).abs() < 0.001, "{own_share}");
         assert_eq!(secondaries.len(), 3);
         for (_, s) in secondaries {

@@ -3,8 +3,8 @@
 //! the engine computes them (`lbscale_core::slowstart`), and the requests each
 //! service receives compared with the plan, per service per step, within 5 %.
 //!
-//! The engine's time is compressed: each step of golden.md G2/G3 is applied for a
-//! few seconds, with explicit caps (`cap_per_second`, which overrides the node's own
+//! The engine's time is compressed: each step of reference cases G2/G3
+//! (docs/design.md) is applied for a few seconds, with explicit caps (`cap_per_second`, which overrides the node's own
 //! slow start; `Some(0)` holds a new service at no requests before its first
 //! increment). The node's own slow start, from the vserver's settings, is tested in
 //! `node_slowstart.rs`.
@@ -104,7 +104,7 @@ fn plan_service(name: &str) -> PlanService {
 type Change = Box<dyn Fn(&mut Plan, u64)>;
 
 /// Runs the scenario through a node at `ip` and checks every step. `golden` is the
-/// table of golden.md (rates per service, binding order) the plan must reproduce.
+/// table of docs/design.md (rates per service, binding order) the plan must reproduce.
 async fn run_scenario(
     name: &str,
     ip: &'static str,
@@ -130,7 +130,7 @@ async fn run_scenario(
         for (r, g) in rates.iter().zip(&golden) {
             assert!(
                 (r - g).abs() < 0.01,
-                "{name} t={t}: the engine's plan {rates:?} is not golden.md's {golden:?}"
+                "{name} t={t}: the engine's plan {rates:?} is not the reference case's {golden:?}"
             );
         }
         let cfg = node_config(k as u64 + 1, port, &plan, t, backends);

@@ -85,7 +85,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     print_raw(render(&plan).as_bytes())
 }
 
-/// cli.md's exact layout: capacity with two decimals, shares with three
+/// docs/cli.md's exact layout: capacity with two decimals, shares with three
 /// (`{"nodes": 4, "mode": "native", "capacity": 3.10, "shares": [0.032, 0.323, ...]}`).
 /// Written by hand because serde_json prints `3.1`, not `3.10`; both are the same JSON
 /// number, so tools reading it see no difference.

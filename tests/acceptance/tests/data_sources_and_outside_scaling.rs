@@ -124,7 +124,7 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
     ws.assert_nothing_left(&[]);
 }
 
-/// golden.md G1 (dns form) through the data source and through `lbscale simulate`:
+/// Reference case G1 of docs/design.md (dns form) through the data source and through `lbscale simulate`:
 /// the same ticks and events.
 #[test]
 fn scaling_simulation_matches_the_cli() {
