@@ -26,6 +26,7 @@ pub fn bin_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// The pinned Terraform: `LBSCALE_TERRAFORM`, else `.tools/bin/terraform`.
 pub fn terraform() -> PathBuf {
     if let Ok(p) = std::env::var("LBSCALE_TERRAFORM") {
         return p.into();
@@ -38,6 +39,82 @@ pub fn terraform() -> PathBuf {
         p.display()
     );
     p
+}
+
+/// One Terraform CLI the lifecycle tests run under.
+#[derive(Debug, Clone)]
+pub struct TerraformCli {
+    pub path: PathBuf,
+    /// As `terraform version -json` reports it, e.g. (1, 11, 4).
+    pub version: (u32, u32, u32),
+}
+
+impl TerraformCli {
+    /// Asks `path` for its version; the error says what is wrong and what to do.
+    pub fn probe(path: &Path) -> Result<TerraformCli, String> {
+        let fix = "fix LBSCALE_TERRAFORMS (colon-separated paths of Terraform binaries) \
+                   or unset it to test the pinned Terraform only";
+        let out = Command::new(path)
+            .args(["version", "-json"])
+            .env("CHECKPOINT_DISABLE", "1")
+            .output()
+            .map_err(|e| {
+                format!(
+                    "LBSCALE_TERRAFORMS: cannot run {}: {e}; {fix}",
+                    path.display()
+                )
+            })?;
+        let version = serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v["terraform_version"].as_str().map(str::to_string))
+            .and_then(|v| {
+                let mut parts = v.split(['.', '-']).map(|p| p.parse::<u32>().ok());
+                Some((parts.next()??, parts.next()??, parts.next()??))
+            })
+            .filter(|_| out.status.success())
+            .ok_or_else(|| {
+                format!(
+                    "LBSCALE_TERRAFORMS: {} is not a Terraform CLI (`version -json` gave no \
+                     terraform_version); {fix}",
+                    path.display()
+                )
+            })?;
+        Ok(TerraformCli {
+            path: path.to_path_buf(),
+            version,
+        })
+    }
+
+    /// "1.11.4".
+    pub fn label(&self) -> String {
+        let (a, b, c) = self.version;
+        format!("{a}.{b}.{c}")
+    }
+
+    /// At least `major.minor`.
+    pub fn at_least(&self, major: u32, minor: u32) -> bool {
+        (self.version.0, self.version.1) >= (major, minor)
+    }
+}
+
+/// The Terraforms of `LBSCALE_TERRAFORMS` (colon-separated paths, as
+/// scripts/test.sh sets it: the pinned one and the one on PATH), else the
+/// pinned one alone.
+pub fn terraforms_from(list: Option<&str>) -> Result<Vec<TerraformCli>, String> {
+    match list.filter(|l| !l.trim().is_empty()) {
+        None => TerraformCli::probe(&terraform()).map(|t| vec![t]),
+        Some(list) => list
+            .split(':')
+            .filter(|p| !p.is_empty())
+            .map(|p| TerraformCli::probe(Path::new(p)))
+            .collect(),
+    }
+}
+
+/// [`terraforms_from`] the environment; panics with its error.
+pub fn terraforms() -> Vec<TerraformCli> {
+    terraforms_from(std::env::var("LBSCALE_TERRAFORMS").ok().as_deref())
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The environment variables that the aws cloud's settings fall back to.
@@ -75,6 +152,8 @@ pub struct Workspace {
     pub state_from_env: bool,
     /// More blocks of the provider (an `aws` block, say), as HCL.
     pub provider_blocks: String,
+    /// The Terraform CLI this workspace runs (default: the pinned one).
+    pub terraform: PathBuf,
     cli_config: PathBuf,
     applied: bool,
 }
@@ -107,9 +186,23 @@ impl Workspace {
             state: None,
             state_from_env: false,
             provider_blocks: String::new(),
+            terraform: terraform(),
             cli_config,
             applied: false,
         }
+    }
+
+    /// Installs the provider with `terraform init` from the filesystem mirror
+    /// `mirror` (as users do) instead of `dev_overrides`.
+    pub fn use_mirror(&self, mirror: &Path) {
+        std::fs::write(
+            &self.cli_config,
+            format!(
+                "provider_installation {{\n  filesystem_mirror {{\n    path    = {:?}\n    include = [\"lbscale/lbscale\"]\n  }}\n  direct {{\n    exclude = [\"lbscale/lbscale\"]\n  }}\n}}\n",
+                mirror.display().to_string()
+            ),
+        )
+        .unwrap();
     }
 
     /// The provider block and `required_providers` every configuration starts with.
@@ -147,7 +240,7 @@ provider "lbscale" {{{}
     }
 
     pub fn tf(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(terraform());
+        let mut cmd = Command::new(&self.terraform);
         // The store and the clouds' settings are what the test says, never
         // what the caller's shell has.
         cmd.env_remove(lbscale_engine::store::STATE_URL_ENV);
@@ -271,7 +364,9 @@ provider "lbscale" {{{}
             .state
             .as_deref()
             .unwrap_or("sqlite://.lbscale/state.db");
-        lbscale_engine::Engine::open(url, &self.dir, settings).expect("open the engine")
+        let clouds = lbscale_engine::cloud::Clouds::new()
+            .with("local", lbscale_engine::cloud::local::drivers(settings));
+        lbscale_engine::Engine::open(url, &self.dir, clouds).expect("open the engine")
     }
 
     /// A node's statistics, read from its management API with the group's token
@@ -617,7 +712,7 @@ pub fn diagnostics(output: &str) -> Vec<Diag> {
 impl Workspace {
     /// Runs terraform with extra environment variables.
     pub fn tf_env(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
-        let mut cmd = Command::new(terraform());
+        let mut cmd = Command::new(&self.terraform);
         cmd.args(args)
             .current_dir(&self.dir)
             .env("TF_CLI_CONFIG_FILE", &self.cli_config)
