@@ -20,6 +20,7 @@ use crate::placement;
 use crate::store::{
     distributor_lease_key, now_ms, Lease, NodeRow, NodeState, Row, Store, StoreError,
 };
+use lbscale_core::apply;
 use lbscale_core::duration::parse_duration;
 use lbscale_core::seplan::ScalingMode;
 use std::collections::BTreeMap;
@@ -705,72 +706,68 @@ impl Engine {
             .group_token(id)?
             .ok_or_else(|| EngineError::NotFound(format!("token of group {id}")))?;
 
-        // 1. Observe: a member whose process is gone has failed; clean it up.
-        let mut registration_changed = false;
+        // 1. Observe, then let the core decide (docs/design.md, "Apply").
         let rows = self.store.nodes_of_group(id)?;
         let alive = cloud.alive(&rows).await?;
-        for (mut n, alive) in rows.into_iter().zip(alive) {
-            let dead = !alive;
-            if n.state == NodeState::Failed || (n.state.is_member() && dead) {
-                lease.check()?;
-                registration_changed |= n.registered;
-                n.state = NodeState::Failed;
-                n.registered = false;
-                self.store.update_node(&n)?;
-                self.store.record_event(
-                    id,
-                    Some(&n.az),
-                    "node_failed",
-                    &format!("node {} is not running", n.id),
-                )?;
-                cloud.deprovision(&n).await?;
-                self.store.delete_node(&n.id)?;
-                self.store.record_event(
-                    id,
-                    Some(&n.az),
-                    "node_removed",
-                    &format!("failed node {} removed", n.id),
-                )?;
-            }
+        let observed: Vec<apply::ObservedNode> = rows
+            .iter()
+            .zip(&alive)
+            .map(|(n, alive)| apply::ObservedNode {
+                id: n.id.clone(),
+                az: n.az.clone(),
+                seq: n.seq,
+                life: match n.state {
+                    NodeState::Failed => apply::Life::Failed,
+                    s if s.is_member() && !alive => apply::Life::Failed,
+                    s if s.is_member() => apply::Life::Member,
+                    _ => apply::Life::Leaving,
+                },
+            })
+            .collect();
+        let shape = apply::Shape {
+            availability_zones: spec.availability_zones.clone(),
+            min_nodes: spec.min_nodes.max(0) as u32,
+            max_nodes: spec.max_nodes.max(0) as u32,
+        };
+        let plan = apply::plan(&shape, &observed);
+
+        // 2. Failed nodes: nothing to drain, removed at once.
+        let mut registration_changed = false;
+        for mut n in rows.iter().filter(|n| plan.remove_failed.contains(&n.id)).cloned() {
+            lease.check()?;
+            registration_changed |= n.registered;
+            n.state = NodeState::Failed;
+            n.registered = false;
+            self.store.update_node(&n)?;
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "node_failed",
+                &format!("node {} is not running", n.id),
+            )?;
+            cloud.deprovision(&n).await?;
+            self.store.delete_node(&n.id)?;
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "node_removed",
+                &format!("failed node {} removed", n.id),
+            )?;
         }
         if registration_changed {
             lease.check()?;
             self.publish(&spec.traffic_distributor_id).await?;
         }
         // (Registrations made in step 4 are published at its end.)
-
-        // 2. Decide who leaves: AZs no longer declared, nodes over max_nodes (the
-        //    newest first), and nodes an earlier run had started to remove.
-        let nodes = self.store.nodes_of_group(id)?;
-        let mut leaving: Vec<NodeRow> = nodes
+        let leaving: Vec<NodeRow> = plan
+            .leave
             .iter()
-            .filter(|n| !n.state.is_member())
-            .cloned()
+            .filter_map(|(leaver, _)| rows.iter().find(|n| &n.id == leaver).cloned())
             .collect();
-        for n in &nodes {
-            if n.state.is_member() && !spec.availability_zones.contains(&n.az) {
-                leaving.push(n.clone());
-            }
-        }
-        for az in &spec.availability_zones {
-            let members: Vec<&NodeRow> = nodes
-                .iter()
-                .filter(|n| n.state.is_member() && &n.az == az)
-                .collect();
-            let extra = members.len().saturating_sub(spec.max_nodes as usize);
-            // `members` is in creation order: the newest are last.
-            leaving.extend(members.iter().rev().take(extra).map(|n| (*n).clone()));
-        }
 
         // 3. Provision up to min_nodes in every AZ.
-        for az in &spec.availability_zones {
-            let have = nodes
-                .iter()
-                .filter(|n| {
-                    n.state.is_member() && &n.az == az && !leaving.iter().any(|l| l.id == n.id)
-                })
-                .count() as i64;
-            for _ in have..spec.min_nodes {
+        for (az, count) in &plan.start {
+            for _ in 0..*count {
                 self.provision(
                     group,
                     az,
