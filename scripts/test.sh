@@ -10,6 +10,27 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 "$root/scripts/setup.sh"
 export LBSCALE_TERRAFORM="$root/.tools/bin/terraform"
+# The Terraforms that the lifecycle and install tests run under: the pinned one,
+# and the `terraform` on PATH when it is another version (what users run). A list
+# of your own (colon-separated paths) wins; each entry must answer `version`.
+tf_version() { "$1" version -json 2>/dev/null | sed -n 's/.*"terraform_version": *"\([^"]*\)".*/\1/p'; }
+if [ -z "${LBSCALE_TERRAFORMS:-}" ]; then
+    LBSCALE_TERRAFORMS=$LBSCALE_TERRAFORM
+    if current=$(command -v terraform) &&
+        [ "$(tf_version "$current")" != "$(tf_version "$LBSCALE_TERRAFORM")" ]; then
+        LBSCALE_TERRAFORMS="$LBSCALE_TERRAFORMS:$current"
+    fi
+fi
+IFS=: read -r -a tf_list <<<"$LBSCALE_TERRAFORMS"
+for tf in "${tf_list[@]}"; do
+    [ -n "$tf" ] || continue
+    if [ -z "$(tf_version "$tf")" ]; then
+        echo "test.sh: LBSCALE_TERRAFORMS: $tf is not a Terraform CLI (no version from \`$tf version -json\`); fix the list (colon-separated paths) or unset it to test the pinned $LBSCALE_TERRAFORM and the terraform on PATH" >&2
+        exit 2
+    fi
+    echo "test.sh: Terraform $(tf_version "$tf") ($tf)" >&2
+done
+export LBSCALE_TERRAFORMS
 # Two cores: run test binaries with two threads each; the acceptance tests
 # pace themselves (each uses its own loopback prefix and store).
 # What this script started, stopped at exit (and only that: a server given
