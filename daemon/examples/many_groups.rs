@@ -25,7 +25,9 @@ async fn main() {
         node_binary,
         ..LocalSettings::default()
     };
-    let engine = Engine::open("sqlite://state.db", &dir, settings).expect("open store");
+    let clouds = lbscale_engine::cloud::Clouds::new()
+        .with("local", lbscale_engine::cloud::local::drivers(settings));
+    let engine = Engine::open("sqlite://state.db", &dir, clouds).expect("open store");
     let d = engine
         .create_distributor(&DistributorSpec {
             name: "bench-dns".into(),

@@ -136,7 +136,10 @@ impl std::fmt::Display for StartError {
 /// Runs until `shutdown` resolves; then lets the evaluations in flight finish (at
 /// most `shutdown_grace`), gives up its ownership leases and returns.
 pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
-    let engine = Engine::open(&cfg.state_url, &cfg.base_dir, cfg.local.clone())
+    let clouds = lbscale_engine::cloud::Clouds::new()
+        .with("local", lbscale_engine::cloud::local::drivers(cfg.local.clone()))
+        .with("aws", lbscale_engine::cloud::aws::drivers(lbscale_engine::cloud::aws::AwsSettings::from_env()));
+    let engine = Engine::open(&cfg.state_url, &cfg.base_dir, clouds)
         .map_err(|e| StartError(format!("--state: {e}")))?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await

@@ -7,9 +7,9 @@
 //! there. Side effects on a group happen only under the group's lease, so that the
 //! provider and the daemon never act on one group at the same time.
 
-use crate::cloud::aws::{AwsCloud, AwsSettings};
-use crate::cloud::local::{LocalCloud, LocalSettings};
-use crate::cloud::{Cloud, CloudError, Distributor, ProvisionRequest, Publication};
+use crate::cloud::{
+    Cloud, CloudError, Clouds, Distributor, DriverStore, ProvisionRequest, Publication, Registry,
+};
 use crate::fault::fault_point;
 use crate::model::{
     check_vserver_placement, DistributorSpec, Finding, Findings, GroupSpec, PathStep, SeGroupSpec,
@@ -128,10 +128,8 @@ pub struct DistributorView {
 
 pub struct Engine {
     pub store: Arc<Store>,
-    local: LocalCloud,
-    /// The `aws` driver, or why it cannot be built (no region, no credentials):
-    /// said when a group or distributor on `aws` is used, not before.
-    aws: std::result::Result<AwsCloud, String>,
+    /// The drivers by cloud name, as the embedding program registered them.
+    clouds: Registry,
     holder: String,
     /// One operation per group at a time within this process. The store's lease
     /// excludes other processes, but it is held in this process's name, so two
@@ -245,19 +243,9 @@ fn new_token() -> String {
 }
 
 impl Engine {
-    /// Opens the store at `state_url` (relative paths from `base_dir`).
-    pub fn open(state_url: &str, base_dir: &Path, local: LocalSettings) -> Result<Engine> {
-        Engine::open_with(state_url, base_dir, local, AwsSettings::from_env())
-    }
-
-    /// As [`Engine::open`], with the `aws` cloud's settings (the provider's
-    /// `aws` block over the environment).
-    pub fn open_with(
-        state_url: &str,
-        base_dir: &Path,
-        local: LocalSettings,
-        aws: AwsSettings,
-    ) -> Result<Engine> {
+    /// Opens the store at `state_url` (relative paths from `base_dir`), with
+    /// the drivers of `clouds` (built on that store).
+    pub fn open(state_url: &str, base_dir: &Path, clouds: Clouds) -> Result<Engine> {
         let store = Arc::new(Store::open_url(state_url, base_dir)?);
         let holder = format!(
             "provider-{}-{:04x}",
@@ -265,8 +253,7 @@ impl Engine {
             rand::random::<u16>()
         );
         Ok(Engine {
-            local: LocalCloud::new(local, store.clone()),
-            aws: AwsCloud::new(aws, store.clone()),
+            clouds: clouds.open(DriverStore::new(store.clone())),
             store,
             holder,
             group_locks: std::sync::Mutex::new(BTreeMap::new()),
@@ -274,38 +261,19 @@ impl Engine {
     }
 
     /// Why `cloud` cannot be used now (for nodes too, with `nodes`), if it
-    /// cannot: settings missing from the provider and the environment. Said at
+    /// cannot: no driver registered by that name ([`CloudError::NoDriver`]),
+    /// or settings missing from the provider and the environment. Said at
     /// plan time, before anything is created.
-    pub fn cloud_unusable(&self, cloud: &str, nodes: bool) -> Option<String> {
-        match (cloud, &self.aws) {
-            ("aws", Err(why)) => Some(format!("the aws cloud is not usable: {why}")),
-            ("aws", Ok(aws)) if nodes && !aws.has_image() => Some(
-                "no image for AWS nodes: set image_id in the provider's aws block, or LBSCALE_AWS_IMAGE_ID".into(),
-            ),
-            _ => None,
-        }
-    }
-
-    fn aws_driver(&self) -> std::result::Result<&AwsCloud, CloudError> {
-        self.aws
-            .as_ref()
-            .map_err(|why| CloudError::Failed(format!("the aws cloud is not usable: {why}")))
+    pub fn cloud_unusable(&self, cloud: &str, nodes: bool) -> Option<CloudError> {
+        self.clouds.unusable(cloud, nodes)
     }
 
     fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
-        match name {
-            "local" => Ok(&self.local),
-            "aws" => Ok(self.aws_driver()?),
-            other => Err(CloudError::NotBuilt(other.to_string()).into()),
-        }
+        Ok(self.clouds.nodes(name)?)
     }
 
     fn distributor_driver(&self, cloud: &str) -> Result<&dyn Distributor> {
-        match cloud {
-            "local" => Ok(&self.local),
-            "aws" => Ok(self.aws_driver()?),
-            other => Err(CloudError::NotBuilt(other.to_string()).into()),
-        }
+        Ok(self.clouds.distributors(cloud)?)
     }
 
     // --- traffic distributors ----------------------------------------------------

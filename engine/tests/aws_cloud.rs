@@ -3,7 +3,7 @@
 //! did is read back with curl and moto's own state dump, not through the driver.
 
 use lbscale_engine::cloud::aws::{AwsCloud, AwsSettings, NODE_API_PORT};
-use lbscale_engine::cloud::{Cloud, Distributor, ProvisionRequest, Publication};
+use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, Publication};
 use lbscale_engine::model::DistributorSpec;
 use lbscale_engine::moto_testing::{moto, unique, Moto};
 use lbscale_engine::store::{NodeRow, NodeState, Store};
@@ -33,7 +33,7 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
         return;
     };
     let store = store("node");
-    let cloud = AwsCloud::new(node_settings(&moto), store).expect("driver");
+    let cloud = AwsCloud::new(node_settings(&moto), DriverStore::new(store)).expect("driver");
     let token = "node-api-token-value-0123456789".to_string();
     let req = ProvisionRequest {
         node_id: unique("n"),
@@ -177,7 +177,7 @@ async fn errors_name_the_call_and_the_missing_setting() {
         memory_limit_mb: 64,
         token: "t".into(),
     };
-    let e = AwsCloud::new(node_settings(&moto), store("errors"))
+    let e = AwsCloud::new(node_settings(&moto), DriverStore::new(store("errors")))
         .unwrap()
         .provision(&req)
         .await
@@ -197,7 +197,7 @@ async fn errors_name_the_call_and_the_missing_setting() {
     // No image at all: named by its setting.
     let mut settings = node_settings(&moto);
     settings.image_id = None;
-    let e = AwsCloud::new(settings, store("errors2"))
+    let e = AwsCloud::new(settings, DriverStore::new(store("errors2")))
         .unwrap()
         .provision(&req)
         .await
@@ -212,7 +212,7 @@ async fn errors_name_the_call_and_the_missing_setting() {
     // not sign moto's), the TLS handshake fails and says with whom.
     let mut settings = node_settings(&moto);
     settings.ca_bundle = None;
-    let e = AwsCloud::new(settings, store("errors3"))
+    let e = AwsCloud::new(settings, DriverStore::new(store("errors3")))
         .unwrap()
         .provision(&req)
         .await
@@ -223,11 +223,15 @@ async fn errors_name_the_call_and_the_missing_setting() {
     // No region or no credentials: refused when the driver is made, by name.
     let mut settings = node_settings(&moto);
     settings.region = None;
-    let e = AwsCloud::new(settings, store("errors4")).err().unwrap();
+    let e = AwsCloud::new(settings, DriverStore::new(store("errors4")))
+        .err()
+        .unwrap();
     assert!(e.contains("region") && e.contains("AWS_REGION"), "{e}");
     let mut settings = node_settings(&moto);
     settings.credentials = None;
-    let e = AwsCloud::new(settings, store("errors5")).err().unwrap();
+    let e = AwsCloud::new(settings, DriverStore::new(store("errors5")))
+        .err()
+        .unwrap();
     assert!(e.contains("AWS_ACCESS_KEY_ID"), "{e}");
 }
 
@@ -258,7 +262,7 @@ async fn a_dns_distributor_is_an_a_record_in_its_own_zone() {
         return;
     };
     let store = store("dns-own");
-    let cloud = AwsCloud::new(node_settings(&moto), store.clone()).unwrap();
+    let cloud = AwsCloud::new(node_settings(&moto), DriverStore::new(store.clone())).unwrap();
     let domain = format!("{}.lbscale.test", unique("shop"));
     let spec = dns_spec(&domain);
     let id = unique("td");
@@ -326,7 +330,7 @@ async fn a_dns_distributor_uses_the_zone_that_holds_its_domain_and_leaves_it() {
     let zone = format!("{parent}.");
 
     let store = store("dns-parent");
-    let cloud = AwsCloud::new(node_settings(&moto), store.clone()).unwrap();
+    let cloud = AwsCloud::new(node_settings(&moto), DriverStore::new(store.clone())).unwrap();
     let domain = format!("www.{parent}");
     let spec = dns_spec(&domain);
     let id = unique("td");
@@ -430,7 +434,7 @@ async fn an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port(
         return;
     };
     let store = store("nlb");
-    let cloud = AwsCloud::new(moto.settings(), store.clone()).unwrap();
+    let cloud = AwsCloud::new(moto.settings(), DriverStore::new(store.clone())).unwrap();
     let id = format!("td-{:08x}", std::process::id() ^ 0x5a5a_0000);
     let spec = DistributorSpec {
         name: unique("nlb"),
@@ -587,7 +591,7 @@ async fn a_dns_distributor_skips_private_zones_and_follows_a_new_domain() {
         );
     }
     let store = store("dns-split");
-    let cloud = AwsCloud::new(moto.settings(), store.clone()).unwrap();
+    let cloud = AwsCloud::new(moto.settings(), DriverStore::new(store.clone())).unwrap();
     let mut spec = dns_spec(&domain);
     let id = unique("td");
     store.insert_distributor(&id, &spec).unwrap();

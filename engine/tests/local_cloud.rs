@@ -2,7 +2,7 @@
 //! outlives nothing but its deprovisioning, on its own loopback address.
 
 use lbscale_engine::cloud::local::{process_alive, LocalCloud, LocalSettings};
-use lbscale_engine::cloud::{Cloud, ProvisionRequest};
+use lbscale_engine::cloud::{Cloud, Clouds, DriverStore, ProvisionRequest};
 use lbscale_engine::nodeapi::NodeClient;
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use std::path::PathBuf;
@@ -33,7 +33,7 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
         node_binary: Some(node_binary()),
         ..LocalSettings::default()
     };
-    let cloud = LocalCloud::new(settings, store.clone());
+    let cloud = LocalCloud::new(settings, DriverStore::new(store.clone()));
     let token = "0123456789abcdef".repeat(4);
     let req = ProvisionRequest {
         node_id: format!("t-az1-1-{}", std::process::id()),
@@ -104,7 +104,8 @@ async fn publications_to_one_distributor_take_turns_across_processes() {
         node_binary: Some(node_binary()),
         ..LocalSettings::default()
     };
-    let engine = Arc::new(Engine::open(&url, &dir, settings).unwrap());
+    let clouds = Clouds::new().with("local", lbscale_engine::cloud::local::drivers(settings));
+    let engine = Arc::new(Engine::open(&url, &dir, clouds).unwrap());
     let spec = DistributorSpec {
         name: "turns".into(),
         cloud: "local".into(),

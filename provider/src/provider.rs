@@ -10,6 +10,7 @@ use lbscale_engine::cloud::aws::{api::Endpoint, parse_credentials, AwsSettings};
 use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
 use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 use lbscale_engine::Engine;
+use lbscale_engine::cloud::Clouds;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -258,7 +259,10 @@ impl Provider for LbscaleProvider {
             (None, None) => (DEFAULT_STATE.to_string(), "the default".to_string()),
         };
         let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
-        match Engine::open_with(&url, &cwd, local, aws) {
+        let clouds = Clouds::new()
+            .with("local", lbscale_engine::cloud::local::drivers(local))
+            .with("aws", lbscale_engine::cloud::aws::drivers(aws));
+        match Engine::open(&url, &cwd, clouds) {
             Ok(e) => {
                 let _ = self.engine.set(Arc::new(e));
                 Some(())

@@ -10,14 +10,14 @@
 //! log, per distributor its config, status and log.
 
 use super::{
-    Balance, Cloud, CloudError, Distributor, ProvisionRequest, Provisioned, Publication, Result,
+    Balance, Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned,
+    Publication, Result,
 };
 use crate::model::DistributorSpec;
-use crate::store::{NodeRow, Store};
+use crate::store::NodeRow;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a started process gets to come up (API listening / first status).
@@ -157,13 +157,20 @@ struct DistributorRuntime {
 
 pub struct LocalCloud {
     settings: LocalSettings,
-    store: Arc<Store>,
+    store: DriverStore,
     root: PathBuf,
 }
 
+/// The local cloud's drivers with `settings`, to register (see [`super::Clouds`]).
+pub fn drivers(
+    settings: LocalSettings,
+) -> impl FnOnce(DriverStore) -> std::result::Result<super::Drivers, String> + Send + 'static {
+    move |store| Ok(super::Drivers::of(LocalCloud::new(settings, store)))
+}
+
 impl LocalCloud {
-    pub fn new(settings: LocalSettings, store: Arc<Store>) -> LocalCloud {
-        let root = store.local_dir().join("local");
+    pub fn new(settings: LocalSettings, store: DriverStore) -> LocalCloud {
+        let root = store.dir().join("local");
         LocalCloud {
             settings,
             store,
@@ -179,8 +186,7 @@ impl LocalCloud {
         self.store
             .reserve_address(owner, candidates(&self.settings.address_prefix), |a| {
                 address_free(a, port)
-            })
-            .map_err(|e| CloudError::Failed(e.to_string()))?
+            })?
             .ok_or_else(|| {
                 CloudError::Failed(format!(
                     "no free loopback address left under {}",
@@ -190,11 +196,11 @@ impl LocalCloud {
     }
 
     fn runtime(&self, id: &str) -> DistributorRuntime {
-        super::load_runtime(&self.store, id).unwrap_or_default()
+        self.store.load_runtime(id).unwrap_or_default()
     }
 
     fn save_runtime(&self, id: &str, rt: &DistributorRuntime) -> Result<()> {
-        super::save_runtime(&self.store, id, rt)
+        self.store.save_runtime(id, rt)
     }
 }
 
@@ -278,9 +284,7 @@ impl Cloud for LocalCloud {
         if h.dir.starts_with(&self.root) && h.dir.exists() {
             let _ = std::fs::remove_dir_all(&h.dir);
         }
-        self.store
-            .release_addresses(&node.id)
-            .map_err(|e| CloudError::Failed(e.to_string()))
+        self.store.release_addresses(&node.id)
     }
 
     async fn is_alive(&self, node: &NodeRow) -> Result<bool> {
@@ -424,9 +428,7 @@ impl Distributor for LocalCloud {
         if rt.dir.starts_with(&self.root) && rt.dir.exists() {
             let _ = std::fs::remove_dir_all(&rt.dir);
         }
-        self.store
-            .release_addresses(id)
-            .map_err(|e| CloudError::Failed(e.to_string()))
+        self.store.release_addresses(id)
     }
 
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String> {

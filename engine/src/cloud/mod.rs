@@ -14,51 +14,224 @@ pub mod aws;
 pub mod local;
 
 use crate::model::DistributorSpec;
-use crate::store::NodeRow;
+use crate::store::{NodeRow, Store};
 use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CloudError {
     #[error("{0}")]
     Failed(String),
-    #[error("the {0} cloud driver is not built yet; only \"local\" works in this version")]
-    NotBuilt(String),
+    /// No driver of that name was given to the engine (see [`Clouds`]).
+    #[error("the {cloud} cloud driver is not built into this lbscale (no driver registered for cloud {cloud:?}); {} work", known_list(.known))]
+    NoDriver { cloud: String, known: Vec<String> },
+    /// The driver exists but its settings do not let it work (or not for nodes).
+    #[error("the {cloud} cloud is not usable: {why}")]
+    Unusable { cloud: String, why: String },
+}
+
+/// `"a"`, `"a" and "b"`, `"a", "b" and "c"`.
+fn known_list(known: &[String]) -> String {
+    let q: Vec<String> = known.iter().map(|k| format!("{k:?}")).collect();
+    match q.split_last() {
+        None => "no cloud drivers".into(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+    }
 }
 
 pub type Result<T> = std::result::Result<T, CloudError>;
 
-/// What a driver keeps of distributor `id` between calls, from the store
-/// (the default before the first save). A store error, or a record that does
-/// not read, is an error: an empty one would forget what exists.
-pub(crate) fn load_runtime<T: serde::de::DeserializeOwned + Default>(
-    store: &crate::store::Store,
-    id: &str,
-) -> Result<T> {
-    let v = store
-        .distributor_runtime(id)
-        .map_err(|e| CloudError::Failed(e.to_string()))?;
-    if v.is_null() {
-        return Ok(T::default());
-    }
-    serde_json::from_value(v).map_err(|e| {
-        CloudError::Failed(format!(
-            "the stored runtime of distributor {id} does not read: {e}"
-        ))
-    })
+/// What a driver may keep in the engine's store: a directory of its own, the
+/// loopback addresses it hands out, and per distributor a runtime record. The
+/// rest of the store is the engine's.
+#[derive(Clone)]
+pub struct DriverStore {
+    store: Arc<Store>,
 }
 
-/// Saves what a driver keeps of distributor `id`.
-pub(crate) fn save_runtime<T: serde::Serialize>(
-    store: &crate::store::Store,
-    id: &str,
-    runtime: &T,
-) -> Result<()> {
-    store
-        .set_distributor_runtime(
-            id,
-            &serde_json::to_value(runtime).expect("runtime serialises"),
-        )
-        .map_err(|e| CloudError::Failed(e.to_string()))
+impl DriverStore {
+    pub fn new(store: Arc<Store>) -> DriverStore {
+        DriverStore { store }
+    }
+
+    /// The store's directory (a SQLite store's, or the base directory).
+    pub fn dir(&self) -> &Path {
+        self.store.local_dir()
+    }
+
+    /// The first of `candidates` that is `usable` and not reserved by another
+    /// owner, now reserved by `owner` (None when none is left).
+    pub fn reserve_address(
+        &self,
+        owner: &str,
+        candidates: impl Iterator<Item = String>,
+        usable: impl FnMut(&str) -> bool,
+    ) -> Result<Option<String>> {
+        self.store
+            .reserve_address(owner, candidates, usable)
+            .map_err(|e| CloudError::Failed(e.to_string()))
+    }
+
+    /// Frees every address `owner` holds.
+    pub fn release_addresses(&self, owner: &str) -> Result<()> {
+        self.store
+            .release_addresses(owner)
+            .map_err(|e| CloudError::Failed(e.to_string()))
+    }
+
+    /// The declared settings of distributor `id`, if it is still in the store.
+    pub fn distributor(&self, id: &str) -> Result<Option<DistributorSpec>> {
+        self.store
+            .distributor(id)
+            .map(|r| r.map(|r| r.spec))
+            .map_err(|e| CloudError::Failed(e.to_string()))
+    }
+
+    /// What the driver keeps of distributor `id` between calls (the default
+    /// before the first save). A store error, or a record that does not read,
+    /// is an error: an empty one would forget what exists.
+    pub fn load_runtime<T: serde::de::DeserializeOwned + Default>(&self, id: &str) -> Result<T> {
+        let v = self
+            .store
+            .distributor_runtime(id)
+            .map_err(|e| CloudError::Failed(e.to_string()))?;
+        if v.is_null() {
+            return Ok(T::default());
+        }
+        serde_json::from_value(v).map_err(|e| {
+            CloudError::Failed(format!(
+                "the stored runtime of distributor {id} does not read: {e}"
+            ))
+        })
+    }
+
+    /// Saves what the driver keeps of distributor `id`.
+    pub fn save_runtime<T: serde::Serialize>(&self, id: &str, runtime: &T) -> Result<()> {
+        self.store
+            .set_distributor_runtime(
+                id,
+                &serde_json::to_value(runtime).expect("runtime serialises"),
+            )
+            .map_err(|e| CloudError::Failed(e.to_string()))
+    }
+}
+
+/// One cloud's drivers: its nodes and its distributors.
+#[derive(Clone)]
+pub struct Drivers {
+    pub nodes: Arc<dyn Cloud>,
+    pub distributors: Arc<dyn Distributor>,
+}
+
+impl Drivers {
+    /// The drivers of a cloud whose one type does both.
+    pub fn of<T: Cloud + Distributor + 'static>(driver: T) -> Drivers {
+        let d = Arc::new(driver);
+        Drivers {
+            nodes: d.clone(),
+            distributors: d,
+        }
+    }
+}
+
+/// Builds a cloud's drivers on the engine's store, or says why the cloud
+/// cannot be used with the settings it was given.
+pub type MakeDrivers = Box<dyn FnOnce(DriverStore) -> std::result::Result<Drivers, String> + Send>;
+
+/// The clouds an engine can use, by the name that groups and distributors
+/// give in `cloud`. The program that embeds the engine (the provider, the
+/// daemon, the CLI) registers the drivers it is built with, from its own
+/// configuration; the engine knows no cloud by name.
+#[derive(Default)]
+pub struct Clouds {
+    /// In registration order (the order error messages list them in).
+    make: Vec<(String, MakeDrivers)>,
+}
+
+impl Clouds {
+    pub fn new() -> Clouds {
+        Clouds::default()
+    }
+
+    /// Registers cloud `name`; `make` runs when the engine opens its store.
+    /// An error from it is said when the cloud is used, not at open.
+    pub fn with(
+        mut self,
+        name: &str,
+        make: impl FnOnce(DriverStore) -> std::result::Result<Drivers, String> + Send + 'static,
+    ) -> Clouds {
+        self.make.retain(|(n, _)| n != name);
+        self.make.push((name.to_string(), Box::new(make)));
+        self
+    }
+
+    /// The names registered, in order.
+    pub fn names(&self) -> Vec<String> {
+        self.make.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Builds every driver on `store`.
+    pub(crate) fn open(self, store: DriverStore) -> Registry {
+        Registry {
+            clouds: self
+                .make
+                .into_iter()
+                .map(|(name, make)| {
+                    let drivers = make(store.clone());
+                    (name, drivers)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The engine's drivers, built: per cloud name, its drivers or why it cannot
+/// be used.
+pub(crate) struct Registry {
+    clouds: Vec<(String, std::result::Result<Drivers, String>)>,
+}
+
+impl Registry {
+    fn drivers(&self, cloud: &str) -> Result<&Drivers> {
+        match self.clouds.iter().find(|(n, _)| n == cloud) {
+            Some((_, Ok(d))) => Ok(d),
+            Some((_, Err(why))) => Err(CloudError::Unusable {
+                cloud: cloud.into(),
+                why: why.clone(),
+            }),
+            None => Err(CloudError::NoDriver {
+                cloud: cloud.into(),
+                known: self.clouds.iter().map(|(n, _)| n.clone()).collect(),
+            }),
+        }
+    }
+
+    pub(crate) fn nodes(&self, cloud: &str) -> Result<&dyn Cloud> {
+        Ok(self.drivers(cloud)?.nodes.as_ref())
+    }
+
+    pub(crate) fn distributors(&self, cloud: &str) -> Result<&dyn Distributor> {
+        Ok(self.drivers(cloud)?.distributors.as_ref())
+    }
+
+    /// Why `cloud` cannot be used now (for nodes too, with `nodes`), if it
+    /// cannot: no driver of that name, or settings that the driver lacks.
+    pub(crate) fn unusable(&self, cloud: &str, nodes: bool) -> Option<CloudError> {
+        let d = match self.drivers(cloud) {
+            Ok(d) => d,
+            Err(e) => return Some(e),
+        };
+        let why = d
+            .distributors
+            .unusable()
+            .or_else(|| nodes.then(|| d.nodes.unusable()).flatten())?;
+        Some(CloudError::Unusable {
+            cloud: cloud.into(),
+            why,
+        })
+    }
 }
 
 /// What the engine asks for when it needs a node.
@@ -103,6 +276,11 @@ pub trait Cloud: Send + Sync {
     }
     /// The port of the node's management API.
     fn api_port(&self, node: &NodeRow) -> u16;
+    /// Why nodes cannot be started with this driver's settings (an image
+    /// missing, say), if they cannot: said at plan time, before anything is made.
+    fn unusable(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a distributor must hand out: per AZ, the serving nodes' addresses, and the
@@ -155,4 +333,8 @@ pub trait Distributor: Send + Sync {
     async fn remove(&self, id: &str) -> Result<()>;
     /// Where clients go: the DNS server (`dns`) or each AZ's VIP (`nlb`).
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String>;
+    /// Why distributors cannot run with this driver's settings, if they cannot.
+    fn unusable(&self) -> Option<String> {
+        None
+    }
 }

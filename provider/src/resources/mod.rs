@@ -10,8 +10,8 @@ pub mod vserver;
 
 use tf_provider::Diagnostics;
 
-/// Refuses, at plan time rather than apply, clouds whose driver is not built
-/// yet and a cloud whose settings are missing (`nodes`: settings that nodes
+/// Refuses, at plan time rather than apply, clouds that have no driver in this
+/// provider and a cloud whose settings are missing (`nodes`: settings that nodes
 /// need too, such as the aws image).
 pub fn check_cloud_usable(
     engine: &crate::common::EngineHandle,
@@ -21,18 +21,15 @@ pub fn check_cloud_usable(
 ) -> Option<()> {
     let at = || tf_provider::AttributePath::new("cloud");
     match cloud.map(String::as_str) {
-        Some("azure") | Some("gcp") => {
-            crate::common::error(
-                diags,
-                at(),
-                "Cloud driver not built yet",
-                format!("the {} cloud driver is not built yet in this version of lbscale; \"local\" and \"aws\" work", cloud.unwrap()),
-            );
-            None
-        }
         Some(c) => match engine.get().and_then(|e| e.cloud_unusable(c, nodes)) {
             Some(why) => {
-                crate::common::error(diags, at(), "Cloud not usable", why);
+                let summary = match why {
+                    lbscale_engine::cloud::CloudError::NoDriver { .. } => {
+                        "Cloud driver not built yet"
+                    }
+                    _ => "Cloud not usable",
+                };
+                crate::common::error(diags, at(), summary, why.to_string());
                 None
             }
             None => Some(()),

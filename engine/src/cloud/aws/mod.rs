@@ -25,9 +25,11 @@ mod elb;
 pub mod sigv4;
 pub mod xml;
 
-use super::{Cloud, CloudError, Distributor, ProvisionRequest, Provisioned, Publication, Result};
+use super::{
+    Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
+};
 use crate::model::DistributorSpec;
-use crate::store::{NodeRow, Store};
+use crate::store::NodeRow;
 use api::{AwsApi, Endpoint, Service};
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
@@ -125,7 +127,7 @@ pub struct AwsCloud {
     api: AwsApi,
     image_id: Option<String>,
     instance_type: String,
-    store: Arc<Store>,
+    store: DriverStore,
 }
 
 /// What a node's handle holds.
@@ -153,9 +155,17 @@ struct DistributorRuntime {
     nlb_addresses: BTreeMap<String, String>,
 }
 
+/// The aws cloud's drivers with `settings`, to register (see [`super::Clouds`]);
+/// settings that lack a region or credentials make a cloud that says so when used.
+pub fn drivers(
+    settings: AwsSettings,
+) -> impl FnOnce(DriverStore) -> std::result::Result<super::Drivers, String> + Send + 'static {
+    move |store| AwsCloud::new(settings, store).map(super::Drivers::of)
+}
+
 impl AwsCloud {
     /// A driver from `settings`; an error names what is missing.
-    pub fn new(settings: AwsSettings, store: Arc<Store>) -> std::result::Result<AwsCloud, String> {
+    pub fn new(settings: AwsSettings, store: DriverStore) -> std::result::Result<AwsCloud, String> {
         let region = settings
             .region
             .ok_or("no AWS region: set `region` in the provider's aws block, or AWS_REGION")?;
@@ -242,11 +252,11 @@ impl AwsCloud {
     /// As [`Self::runtime`], for what acts on it: a store error is an error,
     /// not an empty runtime (which would forget a zone that exists).
     fn runtime_checked(&self, id: &str) -> Result<DistributorRuntime> {
-        super::load_runtime(&self.store, id)
+        self.store.load_runtime(id)
     }
 
     fn save_runtime(&self, id: &str, rt: &DistributorRuntime) -> Result<()> {
-        super::save_runtime(&self.store, id, rt)
+        self.store.save_runtime(id, rt)
     }
 
     async fn route53(
@@ -683,6 +693,12 @@ impl Cloud for AwsCloud {
     fn api_port(&self, _node: &NodeRow) -> u16 {
         NODE_API_PORT
     }
+
+    fn unusable(&self) -> Option<String> {
+        (!self.has_image()).then(|| {
+            "no image for AWS nodes: set image_id in the provider's aws block, or LBSCALE_AWS_IMAGE_ID".into()
+        })
+    }
 }
 
 impl AwsCloud {
@@ -894,21 +910,17 @@ impl Distributor for AwsCloud {
     }
 
     async fn remove(&self, id: &str) -> Result<()> {
-        let Some(row) = self
-            .store
-            .distributor(id)
-            .map_err(|e| CloudError::Failed(e.to_string()))?
-        else {
+        let Some(spec) = self.store.distributor(id)? else {
             return Ok(());
         };
-        if row.spec.mode == "nlb" {
+        if spec.mode == "nlb" {
             return self.remove_nlb(id).await;
         }
         let rt = self.runtime_checked(id)?;
         let domain = rt
             .domain
             .clone()
-            .or(row.spec.domain.clone())
+            .or(spec.domain.clone())
             .unwrap_or_default();
         self.remove_dns(id, &domain, &rt).await
     }
