@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -75,6 +75,12 @@ const MIGRATIONS: &[&str] = &[
     CREATE TABLE vserver_spans (
         vserver_id TEXT NOT NULL, az TEXT NOT NULL, span INTEGER NOT NULL,
         PRIMARY KEY (vserver_id, az));
+    "#,
+    // 3 -> 4: a version per group row, raised whenever the group's spec (or its
+    // distributor's) changes, so that the daemon re-reads only the groups that
+    // changed instead of every spec at every tick.
+    r#"
+    ALTER TABLE groups ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
     "#,
 ];
 
@@ -240,6 +246,26 @@ pub fn state_url_from_env() -> Option<String> {
 /// `leases` table next to the group's own lease, which workflows take).
 pub fn daemon_claim_key(group_id: &str) -> String {
     format!("daemon/{group_id}")
+}
+
+/// The lease of one AZ of a group, which a daemon's workflow in that AZ takes so
+/// that the group's other AZs scale meanwhile. It excludes the group's own
+/// lease (an apply) held by another holder, and the other way round (see
+/// [`Store::acquire_lease`]).
+pub fn az_lease_key(group_id: &str, az: &str) -> String {
+    format!("{group_id}/az/{az}")
+}
+
+/// The group an AZ lease belongs to, if `key` is one.
+fn group_of_az_lease(key: &str) -> Option<&str> {
+    let (group, rest) = key.split_once('/')?;
+    (rest.starts_with("az/") && !group.is_empty()).then_some(group)
+}
+
+/// Whether `key` is a group's own lease (the one an apply takes): a group id,
+/// which holds no `/`, unlike claims, AZ and distributor leases.
+fn is_group_lease(key: &str) -> bool {
+    !key.contains('/')
 }
 
 /// The lease under which one process at a time publishes a distributor's
@@ -633,6 +659,11 @@ impl Store {
             c.execute(
                 "UPDATE distributors SET spec = ?2 WHERE id = ?1",
                 vals![id, s],
+            )?;
+            // Its groups' policy reads the distributor's mode and TTL.
+            c.execute(
+                "UPDATE groups SET version = version + 1 WHERE distributor_id = ?1",
+                vals![id],
             )
         })?;
         Ok(())
@@ -695,6 +726,12 @@ impl Store {
             &spec.traffic_distributor_id,
             spec,
         )?;
+        self.with(|c| {
+            c.execute(
+                "UPDATE groups SET version = version + 1 WHERE id = ?1",
+                vals![id],
+            )
+        })?;
         let spans: Vec<(String, String)> = self.with(|c| {
             c.query(
                 "SELECT sp.vserver_id, sp.az FROM vserver_spans sp
@@ -732,6 +769,27 @@ impl Store {
         let rows =
             self.with(|c| c.query("SELECT id, spec FROM groups ORDER BY created_at, id", &[]))?;
         Self::rows_of("autoscale group", rows)
+    }
+    /// Every group's id and row version (raised by every change of its spec or
+    /// its distributor's), oldest group first: what the daemon reads at every
+    /// tick, without decoding a spec.
+    pub fn group_versions(&self) -> Result<Vec<(String, i64)>> {
+        self.with(|c| {
+            c.query("SELECT id, version FROM groups ORDER BY created_at, id", &[])?
+                .iter()
+                .map(|r| Ok((r.text(0)?, r.int(1)?)))
+                .collect()
+        })
+    }
+    /// The group with its row version, read together.
+    pub fn group_with_version(&self, id: &str) -> Result<Option<(Row<GroupSpec>, i64)>> {
+        let row =
+            self.with(|c| c.one("SELECT id, spec, version FROM groups WHERE id = ?1", vals![id]))?;
+        row.map(|r| {
+            let spec = decode("autoscale group", &r.text(1)?)?;
+            Ok((Row { id: r.text(0)?, spec }, r.int(2)?))
+        })
+        .transpose()
     }
     /// The group's node API token. Sensitive: never log or print it.
     pub fn group_token(&self, group_id: &str) -> Result<Option<String>> {
@@ -785,6 +843,10 @@ impl Store {
                 tx.execute(sql, vals![id])?;
             }
             tx.execute("DELETE FROM leases WHERE group_id = ?1", vals![&claim])?;
+            tx.execute(
+                "DELETE FROM leases WHERE group_id LIKE ?1",
+                vals![az_lease_key(id, "%")],
+            )?;
             Ok(())
         })
     }
@@ -1144,6 +1206,9 @@ impl Store {
 
     /// Takes the group's lease for `ttl` if it is free, expired, or already ours.
     /// A new holder gets a higher fencing token than every holder before it.
+    /// A group's lease and the leases of its AZs ([`az_lease_key`]) exclude each
+    /// other across holders: an apply never acts together with a daemon's
+    /// workflow in one of the group's AZs, while workflows in two AZs may.
     pub fn acquire_lease(&self, group_id: &str, holder: &str, ttl: Duration) -> Result<Lease> {
         let now = now_ms();
         let expires = now + ttl.as_millis() as i64;
@@ -1154,6 +1219,9 @@ impl Store {
                 if tx.one("SELECT 1 FROM groups WHERE id = ?1", vals![claimed])?.is_none() {
                     return Err(StoreError::GroupGone(claimed.to_string()));
                 }
+            }
+            if let Some((h, exp)) = conflicting_lease(tx, group_id, holder, now)? {
+                return Err(StoreError::LeaseHeld { group: group_id.into(), holder: h, expires_in_ms: exp - now });
             }
             let fence = match lease_row(tx, group_id)? {
                 Some((h, fence, _)) if h == holder => fence,
@@ -1170,6 +1238,16 @@ impl Store {
             )?;
             Ok(Lease { group_id: group_id.into(), holder: holder.into(), fence, expires_ms: expires })
         })
+    }
+
+    /// Who holds the lease `key` now (unexpired), if anyone. A read: the
+    /// daemon's probe of whether an apply works on a group writes nothing.
+    pub fn lease_holder(&self, key: &str) -> Result<Option<String>> {
+        let now = now_ms();
+        Ok(self
+            .with(|c| lease_row(c, key))?
+            .filter(|(_, _, exp)| *exp > now)
+            .map(|(h, _, _)| h))
     }
 
     /// Gives up whatever lease `holder` has on `key`, without knowing its fence;
@@ -1289,11 +1367,12 @@ impl Store {
                 )
             })?;
         }
-        // A daemon's claim on a group is a lease keyed `daemon/<group>`.
+        // A daemon's claim on a group is a lease keyed `daemon/<group>`, its AZ
+        // workflows' leases `<group>/az/<az>`.
         total += self.with(|c| {
             c.int(
-                "SELECT count(*) FROM leases WHERE group_id = ?1",
-                vals![daemon_claim_key(id)],
+                "SELECT count(*) FROM leases WHERE group_id = ?1 OR group_id LIKE ?2",
+                vals![daemon_claim_key(id), az_lease_key(id, "%")],
             )
         })?;
         Ok(total)
@@ -1308,6 +1387,32 @@ fn lease_row(c: &mut dyn Db, key: &str) -> Result<Option<(String, i64, i64)>> {
     )?
     .map(|r| Ok((r.text(0)?, r.int(1)?, r.int(2)?)))
     .transpose()
+}
+
+/// A live lease of another holder that `key` may not be taken alongside: for an
+/// AZ lease, its group's own lease; for a group's lease, any of its AZ leases.
+fn conflicting_lease(
+    c: &mut dyn Db,
+    key: &str,
+    holder: &str,
+    now: i64,
+) -> Result<Option<(String, i64)>> {
+    let rows = if let Some(group) = group_of_az_lease(key) {
+        c.query(
+            "SELECT holder, expires_ms FROM leases WHERE group_id = ?1 AND holder != ?2 AND expires_ms > ?3",
+            vals![group, holder, now],
+        )?
+    } else if is_group_lease(key) {
+        c.query(
+            "SELECT holder, expires_ms FROM leases WHERE group_id LIKE ?1 AND holder != ?2 AND expires_ms > ?3",
+            vals![az_lease_key(key, "%"), holder, now],
+        )?
+    } else {
+        return Ok(None);
+    };
+    rows.first()
+        .map(|r| Ok((r.text(0)?, r.int(1)?)))
+        .transpose()
 }
 
 fn table_of(kind: &str) -> &'static str {

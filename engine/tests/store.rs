@@ -7,7 +7,7 @@
 
 use lbscale_core::policy::{AzState, Phase};
 use lbscale_engine::model::GroupSpec;
-use lbscale_engine::store::{daemon_claim_key, Store, StoreError, SCHEMA_VERSION};
+use lbscale_engine::store::{az_lease_key, daemon_claim_key, Store, StoreError, SCHEMA_VERSION};
 use lbscale_engine::store_test;
 use std::time::Duration;
 
@@ -152,7 +152,7 @@ store_test!(
         }
         // Back to what version 1 wrote: no policy_state table.
         ts.raw(
-            "DROP TABLE policy_state; DROP TABLE vserver_spans; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
+            "DROP TABLE policy_state; DROP TABLE vserver_spans; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert!(
@@ -260,3 +260,104 @@ store_test!(a_group_leaving_an_az_drops_its_spans_there, |ts| {
     assert_eq!(s.vserver_span("vs-1", "az1").unwrap(), Some(2));
     assert_eq!(s.vserver_span("vs-1", "az2").unwrap(), None);
 });
+
+store_test!(
+    a_store_of_schema_version_3_gains_the_group_row_version,
+    |ts| {
+        {
+            let s = ts.open();
+            group(&s, "g1");
+        }
+        // Back to what version 3 wrote: groups without a row version.
+        ts.raw(
+            "ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '3' WHERE key = 'schema_version';",
+        );
+        let s = ts.open();
+        assert_eq!(s.group_versions().unwrap(), vec![("g1".to_string(), 1)]);
+        let (row, v) = s.group_with_version("g1").unwrap().unwrap();
+        assert_eq!((row.spec.name.as_str(), v), ("g1-name", 1));
+        assert_eq!(
+            ts.raw_text("SELECT value FROM meta WHERE key = 'schema_version'"),
+            Some(SCHEMA_VERSION.to_string())
+        );
+    }
+);
+
+store_test!(
+    a_group_row_version_rises_with_its_spec_and_its_distributor,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        group(&s, "g2");
+        assert_eq!(
+            s.group_versions().unwrap(),
+            vec![("g1".to_string(), 1), ("g2".to_string(), 1)]
+        );
+        let (mut row, _) = s.group_with_version("g1").unwrap().unwrap();
+        row.spec.max_nodes = 5;
+        s.update_group("g1", &row.spec).unwrap();
+        let (row, v) = s.group_with_version("g1").unwrap().unwrap();
+        assert_eq!((row.spec.max_nodes, v), (5, 2));
+        assert_eq!(s.group_with_version("g2").unwrap().unwrap().1, 1);
+        // A distributor's change (its TTL is part of its groups' policy) raises
+        // the version of every group behind it.
+        let d = lbscale_engine::model::DistributorSpec {
+            name: "td".into(),
+            cloud: "local".into(),
+            mode: "dns".into(),
+            domain: Some("x.lbscale.test".into()),
+            ttl: "5s".into(),
+        };
+        s.insert_distributor("td-1", &d).unwrap();
+        s.update_distributor("td-1", &d).unwrap();
+        assert_eq!(
+            s.group_versions().unwrap(),
+            vec![("g1".to_string(), 3), ("g2".to_string(), 2)]
+        );
+        s.delete_group("g2").unwrap();
+        assert_eq!(s.group_versions().unwrap(), vec![("g1".to_string(), 3)]);
+        assert!(s.group_with_version("g2").unwrap().is_none());
+    }
+);
+
+store_test!(
+    az_leases_exclude_the_group_lease_of_another_holder_not_each_other,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        let ttl = Duration::from_secs(30);
+        // A daemon's workflows in two AZs at once.
+        let az1 = s.acquire_lease(&az_lease_key("g1", "az1"), "daemon", ttl).unwrap();
+        let az2 = s.acquire_lease(&az_lease_key("g1", "az2"), "daemon", ttl).unwrap();
+        // Never two in one AZ.
+        assert!(matches!(
+            s.acquire_lease(&az_lease_key("g1", "az1"), "other", ttl),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        // An apply waits for both.
+        match s.acquire_lease("g1", "apply", ttl) {
+            Err(StoreError::LeaseHeld { holder, .. }) => assert_eq!(holder, "daemon"),
+            other => panic!("the group's lease was taken beside its AZ leases: {other:?}"),
+        }
+        // ...but not for another group's.
+        group(&s, "g10");
+        s.acquire_lease("g10", "apply", ttl).unwrap();
+        s.release_lease(&az1).unwrap();
+        assert!(s.acquire_lease("g1", "apply", ttl).is_err(), "az2 still runs");
+        s.release_lease(&az2).unwrap();
+        let apply = s.acquire_lease("g1", "apply", ttl).unwrap();
+        assert_eq!(s.lease_holder("g1").unwrap().as_deref(), Some("apply"));
+        // While the apply runs, no daemon workflow starts in any AZ; the holder
+        // of both may (one process's own workflows).
+        assert!(matches!(
+            s.acquire_lease(&az_lease_key("g1", "az2"), "daemon", ttl),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        s.acquire_lease(&az_lease_key("g1", "az2"), "apply", ttl).unwrap();
+        s.release_lease(&apply).unwrap();
+        assert_eq!(s.lease_holder("g1").unwrap(), None);
+        // The AZ leases go with the group.
+        s.delete_group("g1").unwrap();
+        assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
+    }
+);
