@@ -12,55 +12,23 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::http1::SendRequest;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 
-use crate::lb::ServiceRt;
-use crate::metrics::{add_bytes, ConnGuard};
-use crate::node::Vserver;
+use crate::model::{VsState, Vserver};
 use crate::persist::{find_cookie, Persistence};
-
-const MAX_IDLE_PER_SERVICE: usize = 512;
-
-/// Request body forwarded upstream, counting bytes.
-pub struct UpBody {
-    inner: Incoming,
-}
-
-impl Body for UpBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(f))) = &r {
-            if let Some(d) = f.data_ref() {
-                add_bytes(d.len());
-            }
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
+use crate::service::ServiceRt;
+use crate::upstream::{Conn, UpBody};
 
 /// Tracks one proxied request until its response body is finished: in-flight
 /// count, response time, and returns the upstream connection to the pool.
 pub struct RespGuard {
     rt: Arc<ServiceRt>,
-    sender: Option<SendRequest<UpBody>>,
+    sender: Option<Conn>,
+    /// The vserver the request came through (its node's throughput).
+    vs: Arc<Vserver>,
     start: Instant,
     done: bool,
     /// Bytes of this exchange (request head estimate + response), for the
@@ -86,11 +54,7 @@ impl Drop for RespGuard {
                 // Not back to the pool of a service that went DOWN meanwhile (its
                 // pool was emptied then): it must be reached afresh when UP again.
                 if !s.is_closed() && !self.rt.is_draining() && self.rt.is_up() {
-                    if let Ok(mut pool) = self.rt.pool.lock() {
-                        if pool.len() < MAX_IDLE_PER_SERVICE {
-                            pool.push(s);
-                        }
-                    }
+                    self.rt.pool.push(s);
                 }
             }
         }
@@ -117,7 +81,7 @@ impl Body for RespBody {
                 match &r {
                     Poll::Ready(Some(Ok(f))) => {
                         if let Some(d) = f.data_ref() {
-                            add_bytes(d.len());
+                            guard.vs.traffic.add_bytes(d.len());
                             guard.resp_bytes += d.len() as u64;
                         }
                     }
@@ -210,21 +174,12 @@ enum SendErr {
     Other,
 }
 
-fn pop_idle(rt: &ServiceRt) -> Option<SendRequest<UpBody>> {
-    let mut pool = rt.pool.lock().ok()?;
-    while let Some(s) = pool.pop() {
-        if !s.is_closed() {
-            return Some(s);
-        }
-    }
-    None
-}
-
 async fn send(
     rt: &ServiceRt,
+    vs: &Vserver,
     mut req: Request<UpBody>,
-) -> Result<(Response<Incoming>, SendRequest<UpBody>), SendErr> {
-    while let Some(mut s) = pop_idle(rt) {
+) -> Result<(Response<Incoming>, Conn), SendErr> {
+    while let Some(mut s) = rt.pool.pop() {
         if !s.is_ready() {
             match tokio::time::timeout(Duration::from_secs(1), s.ready()).await {
                 Ok(Ok(())) => {}
@@ -242,7 +197,7 @@ async fn send(
             },
         }
     }
-    let stream = match rt.connect().await {
+    let stream = match rt.connect(&vs.dialer).await {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(service = %rt.name, error = %e, "upstream connect failed");
@@ -273,13 +228,13 @@ async fn send(
 /// again only when the vserver's generation moved.
 struct CachedState {
     generation: u64,
-    state: Arc<crate::lb::VsState>,
+    state: Arc<VsState>,
 }
 
 async fn proxy(
     req: Request<Incoming>,
     vs: Arc<Vserver>,
-    st: Arc<crate::lb::VsState>,
+    st: Arc<VsState>,
     xff: HeaderValue,
     client: IpAddr,
 ) -> Response<RespBody> {
@@ -300,7 +255,7 @@ async fn proxy(
     let (mut parts, body) = req.into_parts();
     // Throughput counts the request and response heads (estimated) as well as bodies.
     let req_head = head_len(&parts.headers) + parts.uri.path().len() + 16;
-    add_bytes(req_head);
+    vs.traffic.add_bytes(req_head);
     let req_bytes = req_head as u64
         + parts
             .headers
@@ -318,17 +273,17 @@ async fn proxy(
         }
     }
     parts.version = Version::HTTP_11;
-    let mut req = Request::from_parts(parts, UpBody { inner: body });
+    let mut req = Request::from_parts(parts, UpBody::new(body, vs.traffic.clone()));
     let mut retried = false;
     loop {
         let rt = st.services[idx].rt.clone();
         rt.active.fetch_add(1, Ordering::Relaxed);
         let start = Instant::now();
-        match send(&rt, req).await {
+        match send(&rt, &vs, req).await {
             Ok((resp, sender)) => {
                 let (mut parts, body) = resp.into_parts();
                 let resp_head = head_len(&parts.headers) + 17;
-                add_bytes(resp_head);
+                vs.traffic.add_bytes(resp_head);
                 strip_hop(&mut parts.headers);
                 parts
                     .headers
@@ -344,6 +299,7 @@ async fn proxy(
                 let guard = RespGuard {
                     rt,
                     sender: Some(sender),
+                    vs,
                     start,
                     done: false,
                     req_bytes,
@@ -378,7 +334,7 @@ async fn proxy(
 /// persistence key and what `X-Forwarded-For` names, so that a service behind
 /// a secondary sees the client, not the primary.
 pub async fn serve_conn(stream: TcpStream, client: IpAddr, vs: Arc<Vserver>) {
-    let _g = ConnGuard::new();
+    let _g = vs.traffic.connection();
     let _ = stream.set_nodelay(true);
     let xff =
         HeaderValue::from_str(&client.to_string()).unwrap_or(HeaderValue::from_static("unknown"));

@@ -2,18 +2,28 @@
 //! cloud's DNS and L4 (nlb) traffic distributors.
 
 mod api;
+mod clock;
+mod dial;
 mod dns;
+mod health;
 mod http;
 mod lb;
+mod listener;
 mod metrics;
+mod model;
 mod nlb;
 mod node;
 mod persist;
 mod scaleout;
+mod service;
 mod slowstart;
 mod tcp;
 mod udp;
+mod upstream;
 mod watch;
+
+#[cfg(test)]
+mod balancing_tests;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -89,7 +99,7 @@ fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
 
 fn start_custom_loads(a: &Args, node: &Arc<node::Node>) {
     if let Ok(p) = a.get("custom-load-file") {
-        tokio::spawn(node::watch_custom_loads(node.clone(), PathBuf::from(p)));
+        tokio::spawn(node.clone().watch_custom_loads(PathBuf::from(p)));
     }
 }
 

@@ -1,49 +1,52 @@
-//! Process-wide counters of the data plane (one node per process).
+//! The node's traffic counters and its process's CPU and memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
-use std::time::Instant;
 
-/// Bytes relayed, both directions, since start.
-pub static BYTES: AtomicU64 = AtomicU64::new(0);
-/// Client connections (HTTP/TCP) and UDP flows currently open.
-pub static ACTIVE_CONNS: AtomicU64 = AtomicU64::new(0);
-/// Client connections and UDP flows accepted since start.
-pub static TOTAL_CONNS: AtomicU64 = AtomicU64::new(0);
-
-static START: OnceLock<Instant> = OnceLock::new();
-
-pub fn start_instant() -> Instant {
-    *START.get_or_init(Instant::now)
+/// Counters of one node's data plane, shared by its vservers' connections.
+#[derive(Default)]
+pub struct Traffic {
+    /// Bytes relayed, both directions, since start.
+    bytes: AtomicU64,
+    /// Client connections (HTTP/TCP) and UDP flows currently open.
+    active: AtomicU64,
+    /// Client connections and UDP flows accepted since start.
+    total: AtomicU64,
 }
 
-/// Nanoseconds since the process started (monotonic).
-#[inline]
-pub fn now_ns() -> u64 {
-    start_instant().elapsed().as_nanos() as u64
-}
+impl Traffic {
+    #[inline]
+    pub fn add_bytes(&self, n: usize) {
+        if n > 0 {
+            self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
 
-#[inline]
-pub fn add_bytes(n: usize) {
-    if n > 0 {
-        BYTES.fetch_add(n as u64, Ordering::Relaxed);
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    pub fn active_connections(&self) -> u64 {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    pub fn total_connections(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Counts one client connection (or UDP flow) while the guard lives.
+    pub fn connection(&self) -> ConnGuard<'_> {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+        ConnGuard(self)
     }
 }
 
-/// Counts one client connection while alive.
-pub struct ConnGuard;
+/// One open client connection (see [`Traffic::connection`]).
+pub struct ConnGuard<'a>(&'a Traffic);
 
-impl ConnGuard {
-    pub fn new() -> Self {
-        ACTIVE_CONNS.fetch_add(1, Ordering::Relaxed);
-        TOTAL_CONNS.fetch_add(1, Ordering::Relaxed);
-        ConnGuard
-    }
-}
-
-impl Drop for ConnGuard {
+impl Drop for ConnGuard<'_> {
     fn drop(&mut self) {
-        ACTIVE_CONNS.fetch_sub(1, Ordering::Relaxed);
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -222,7 +222,8 @@ async fn accept_loop(l: TcpListener, targets: Arc<Targets>) {
                             Ok(Ok(backend)) => {
                                 let _ = client.set_nodelay(true);
                                 let _ = backend.set_nodelay(true);
-                                crate::tcp::relay(client, backend).await;
+                                let (mut c, mut b) = (client, backend);
+                                let _ = tokio::io::copy_bidirectional(&mut c, &mut b).await;
                                 return;
                             }
                             Ok(Err(e)) => tracing::debug!(%target, error = %e, "target refused"),

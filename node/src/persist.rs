@@ -21,7 +21,7 @@
 //!   load-balanced anew. The table lives with the vserver's listener, across
 //!   configurations.
 //!
-//! Scale-out (see `crate::scaleout`): a SOURCEIP primary keeps a client IP on the
+//! Scale-out (see `scaleout`): a SOURCEIP primary keeps a client IP on the
 //! node it first chose (itself or one secondary), with the same timeout and bound,
 //! and tells the secondary the client's address in a PROXY protocol v2 header at
 //! the start of the forwarded connection, so that the secondary's own table is
@@ -31,16 +31,15 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
-use crate::lb::ServiceRt;
-use crate::metrics::now_ns;
+use crate::clock::now_ns;
 
-/// NetScaler's default persistence timeout.
+/// The default persistence timeout (NetScaler's).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Clients remembered per vserver (and per scale-out primary).
 pub const MAX_ENTRIES: usize = 65_536;
@@ -114,7 +113,7 @@ pub fn find_cookie<'a>(headers: &'a hyper::HeaderMap, name: &str) -> Option<&'a 
 
 struct Entry<V> {
     value: V,
-    /// ns since process start of the last use.
+    /// ns of `clock` of the last use.
     last: u64,
 }
 
@@ -191,42 +190,6 @@ impl<K: Hash + Eq + Copy, V: Clone> Table<K, V> {
             .map
             .len()
     }
-}
-
-/// A vserver's SOURCEIP table: client IP → service runtime (weak: a removed
-/// service's runtime is not kept alive by it).
-pub type SourceTable = Table<IpAddr, Weak<ServiceRt>>;
-
-/// The service a SOURCEIP client is kept on, if any.
-pub fn sticky_service(t: &SourceTable, client: IpAddr) -> Option<Arc<ServiceRt>> {
-    t.get(client, |w| w.strong_count() > 0)
-        .and_then(|w| w.upgrade())
-}
-
-/// SOURCEIP: the service for `client`: the one it is kept on if that may still
-/// take it (and is not `exclude`), else the LB method's choice, remembered (ramp
-/// peers, which stand for other nodes, are not).
-pub fn pick_for_source(
-    st: &crate::lb::VsState,
-    table: &SourceTable,
-    client: IpAddr,
-    exclude: Option<usize>,
-) -> Option<usize> {
-    if let Some(rt) = sticky_service(table, client) {
-        let kept = st
-            .index_of(&rt)
-            .filter(|i| Some(*i) != exclude)
-            .and_then(|i| st.pick_persistent(i));
-        if kept.is_some() {
-            return kept;
-        }
-        table.remove(client);
-    }
-    let i = st.pick(exclude)?;
-    if !st.services[i].peer {
-        table.insert(client, Arc::downgrade(&st.services[i].rt));
-    }
-    Some(i)
 }
 
 // --- PROXY protocol v2 (primary → secondary) ----------------------------------

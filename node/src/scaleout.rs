@@ -1,5 +1,7 @@
-//! Native SE scale-out (domain.md "SE group", golden G4): a vserver spread over
-//! several nodes.
+//! Native scale-out of an SE group: one vserver spread over several nodes of the
+//! group, a primary and its secondaries. This module holds a vserver's scale-out
+//! state (where new connections go, its secondaries, their statistics); the
+//! listener (`listener`) acts on it.
 //!
 //! - **PRIMARY**: every client connection of the vserver arrives here. For each new
 //!   connection the primary picks, by smooth weighted round robin over the shares
@@ -14,10 +16,10 @@
 //!   directly. Nothing else differs.
 //! - **Source NAT and the symmetric path**: every connection a node opens (to a
 //!   service, or to a secondary) leaves from the node's own address (see
-//!   [`connect_from_node`]). A service therefore sees the secondary's address, its
+//!   `dial`). A service therefore sees the secondary's address, its
 //!   reply returns to the secondary, which hands it back over the primary's
 //!   forwarded connection to the client: the return path crosses the same nodes as
-//!   the request. (An HTTP secondary's `X-Forwarded-For` names the client the
+//!   the request (see `dial`). (An HTTP secondary's `X-Forwarded-For` names the client the
 //!   primary announced, below.)
 //! - **Unreachable secondary**: the connection is served on the primary (it counts
 //!   as served there) and that secondary is skipped for [`PEER_RETRY`].
@@ -41,7 +43,7 @@
 //!   first routed to (itself or one secondary) while that node stays listed and
 //!   reachable, with the vserver's persistence timeout; a secondary keys its own
 //!   table by the client the header names, not by the primary. See
-//!   `crate::persist`.
+//!   `persist`.
 //!
 //! UDP vservers are scaled out the same way per flow (a client address): the
 //! primary relays a forwarded flow's datagrams to the secondary from its own
@@ -52,86 +54,23 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lbscale_proto::ScaleoutRole;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::lb::Kind;
-use crate::metrics::ConnGuard;
-use crate::node::Vserver;
-use crate::persist::Persistence;
+use crate::dial::Dialer;
+use crate::persist::{Table, MAX_ENTRIES};
 
 /// How long the primary waits for a secondary to accept a forwarded connection.
 /// Secondaries sit in the same AZ: a slow connect means a sick node, and the
 /// client is better served by the primary than kept waiting.
-const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long an unreachable secondary is skipped before the primary tries it again.
 pub const PEER_RETRY: Duration = Duration::from_secs(1);
-
-/// The node's own address, the source of every connection it opens (one node per
-/// process). Unset (standalone on a wildcard address): the kernel chooses.
-static SOURCE_IP: OnceLock<IpAddr> = OnceLock::new();
-
-/// Records the node's address as the source of its outgoing connections.
-pub fn set_source_ip(ip: IpAddr) {
-    if !ip.is_unspecified() {
-        let _ = SOURCE_IP.set(ip);
-    }
-}
-
-/// Connects to `target` from the node's own address: the source NAT of a
-/// scaled-out vserver (the service, or the secondary, sees this node and answers
-/// it). Without it a loopback or multi-address host would pick some other source
-/// address (127.0.0.1 for every node on loopback) and replies could bypass the
-/// node. The source is left to the kernel when it could not route to `target`
-/// (other address family, loopback to non-loopback).
-pub async fn connect_from_node(target: SocketAddr) -> io::Result<TcpStream> {
-    let src = SOURCE_IP.get().copied().filter(|ip| {
-        ip.is_ipv4() == target.is_ipv4() && ip.is_loopback() == target.ip().is_loopback()
-    });
-    let Some(src) = src else {
-        return TcpStream::connect(target).await;
-    };
-    let sock = if target.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    // Choose the source port at connect time, from the full 4-tuple: a plain
-    // bind(ip:0) would reserve a port per connection across every destination and
-    // run out under many short connections.
-    let one: libc::c_int = 1;
-    // SAFETY: a valid socket descriptor and a c_int option value of the right size.
-    unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::IPPROTO_IP,
-            libc::IP_BIND_ADDRESS_NO_PORT,
-            &one as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
-    }
-    sock.bind(SocketAddr::new(src, 0))?;
-    sock.connect(target).await
-}
-
-/// Connects to `host:port` (an IP address or a name) from the node's own address.
-pub async fn connect_host_from_node(host: &str, port: u16) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host}: no address"));
-    for a in tokio::net::lookup_host((host, port)).await? {
-        match connect_from_node(a).await {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
 
 /// One secondary of a primary, kept across configurations while it is listed or
 /// still has forwarded connections.
@@ -174,7 +113,7 @@ impl Peer {
         r.is_none_or(|t| Instant::now() >= t)
     }
 
-    fn mark_unreachable(&self) {
+    pub fn mark_unreachable(&self) {
         *self.retry_at.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(Instant::now() + PEER_RETRY);
     }
@@ -210,14 +149,14 @@ impl Peer {
 
     /// The secondary's listener: `address` is an IP (or a name) listening on the
     /// vserver's port; an explicit `IP:PORT` is taken as is.
-    async fn connect(&self) -> io::Result<TcpStream> {
+    pub async fn connect(&self, dialer: &Dialer) -> io::Result<TcpStream> {
         if let Ok(a) = self.address.parse::<SocketAddr>() {
-            return connect_from_node(a).await;
+            return dialer.connect(a).await;
         }
         if let Ok(ip) = self.address.parse::<IpAddr>() {
-            return connect_from_node(SocketAddr::new(ip, self.port)).await;
+            return dialer.connect(SocketAddr::new(ip, self.port)).await;
         }
-        connect_host_from_node(&self.address, self.port).await
+        dialer.connect_host(&self.address, self.port).await
     }
 }
 
@@ -269,13 +208,13 @@ pub struct Scaleout {
     inner: Mutex<Inner>,
     /// SOURCEIP on a primary: client IP → the node it was routed to (None: the
     /// primary itself, else the secondary's address).
-    affinity: crate::persist::Table<IpAddr, Option<String>>,
+    affinity: Table<IpAddr, Option<String>>,
 }
 
 /// Rejects a scale-out that cannot be applied: negative or non-finite shares, a
 /// secondary listed twice, without an address, or that is this node (it would
-/// forward to itself without end).
-pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), String> {
+/// forward to itself without end; `own` is this node's address).
+pub fn validate(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<(), String> {
     let Some(s) = &v.scaleout else { return Ok(()) };
     let bad = |what: String| Err(format!("vserver {}: scaleout: {what}", v.name));
     if !s.primary_share.is_finite() || s.primary_share < 0.0 {
@@ -291,7 +230,6 @@ pub fn validate(v: &lbscale_proto::Vserver) -> Result<(), String> {
                 p.address, p.share
             ));
         }
-        let own = SOURCE_IP.get().copied();
         let is_self = match (p.address.parse::<IpAddr>(), p.address.parse::<SocketAddr>()) {
             (Ok(ip), _) => Some(ip) == own,
             (_, Ok(a)) => Some(a.ip()) == own && u32::from(a.port()) == v.port,
@@ -314,7 +252,7 @@ impl Scaleout {
         Scaleout {
             served: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
-            affinity: crate::persist::Table::new(persistence_timeout, crate::persist::MAX_ENTRIES),
+            affinity: Table::new(persistence_timeout, MAX_ENTRIES),
         }
     }
 
@@ -526,95 +464,6 @@ impl Drop for ActiveGuard {
     }
 }
 
-/// Handles one accepted connection of a TCP or HTTP vserver: forwards it to a
-/// secondary when this node is the vserver's primary and the plan says so, else
-/// serves it here.
-///
-/// SOURCEIP: the primary keeps a client on one node ([`Scaleout::route`]) and
-/// starts a forwarded connection with a PROXY protocol v2 header naming the
-/// client; a secondary of a SOURCEIP vserver reads that header (when there is
-/// one) and keys its persistence by the client it names.
-pub async fn accept(client: TcpStream, from: SocketAddr, vs: Arc<Vserver>) {
-    let mut client = client;
-    // A connection from another node of the group (its primary forwarding a
-    // client) starts with a PROXY header naming the client: read and removed
-    // here, whatever this node's role or the vserver's persistence, so that it
-    // never reaches a service. Nobody else's header is read.
-    let mut source = from.ip();
-    if vs.state().proxy_from.contains(&from.ip()) {
-        match crate::persist::read_proxy_header(&mut client).await {
-            Ok(Some(ip)) => source = ip,
-            Ok(None) => {}
-            Err(e) => {
-                tracing::debug!(%from, error = %e, "bad PROXY header");
-                return;
-            }
-        }
-    }
-    let sticky = vs.state().persistence == Persistence::SourceIp;
-    let client = match vs.scaleout.route(source, sticky) {
-        Route::Local => client,
-        // Every forwarded connection names its client (the secondary has this
-        // node among its group peers and removes the header).
-        Route::Forward(peer) => match forward(client, from, &vs, peer, true).await {
-            Ok(()) => return,
-            Err(client) => {
-                vs.scaleout.forget(source);
-                client
-            }
-        },
-    };
-    vs.scaleout.count_served();
-    match vs.state().kind {
-        Kind::Http => crate::http::serve_conn(client, source, vs).await,
-        _ => crate::tcp::serve_conn(client, source, vs).await,
-    }
-}
-
-/// Relays `client` to `peer` until either side closes, the scale-in timeout of a
-/// leaving secondary, or the end of a drain. Hands the client back when the
-/// secondary cannot be reached.
-async fn forward(
-    client: TcpStream,
-    from: SocketAddr,
-    vs: &Vserver,
-    peer: Arc<Peer>,
-    proxy_header: bool,
-) -> Result<(), TcpStream> {
-    let connect = async {
-        let mut s = peer.connect().await?;
-        if proxy_header {
-            let dst = s.peer_addr()?;
-            s.write_all(&crate::persist::proxy_header(from, dst))
-                .await?;
-        }
-        Ok::<_, io::Error>(s)
-    };
-    let up = match tokio::time::timeout(PEER_CONNECT_TIMEOUT, connect).await {
-        Ok(Ok(s)) => s,
-        r => {
-            let error = match r {
-                Ok(Err(e)) => e.to_string(),
-                _ => "connect timed out".to_string(),
-            };
-            tracing::warn!(secondary = %peer.address, %error, "secondary unreachable: serving on the primary");
-            peer.mark_unreachable();
-            return Err(client);
-        }
-    };
-    let _g = ConnGuard::new();
-    let _ = client.set_nodelay(true);
-    let _ = up.set_nodelay(true);
-    let kill = peer.kill_token();
-    let _active = peer.track();
-    tokio::select! {
-        _ = crate::tcp::relay(client, up) => {}
-        _ = kill.cancelled() => {}
-        _ = vs.kill.cancelled() => {}
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -627,7 +476,7 @@ mod tests {
     }
 
     #[test]
-    fn smooth_counts_follow_the_g4_shares_closely() {
+    fn smooth_counts_follow_the_planned_shares_closely() {
         let plan = lbscale_core::seplan::plan(&lbscale_core::seplan::PlanParams::default(), 4);
         let mut s = smooth(&plan.shares);
         let mut counts = [0u32; 4];

@@ -1,6 +1,6 @@
-//! The node's own slow start (domain.md "Vserver with slow start"), run with
-//! lbscale-core's model ([`lbscale_core::slowstart::Vserver`]) from the vserver's
-//! `slow_start` settings, and the join ramp against `ramp_peers`.
+//! The node's own slow start of a vserver's new services, run with lbscale-core's
+//! model ([`lbscale_core::slowstart::Vserver`]) from the vserver's `slow_start`
+//! settings, and the join ramp against `ramp_peers`.
 //!
 //! # New services
 //!
@@ -10,8 +10,8 @@
 //! model's clock). A vserver configured for the first time has only new services:
 //! core's rule ("only new services: no ramp") lets them share the load at once. A
 //! service that is disabled or DOWN is out of the model (the vserver's requests are
-//! shared among the others); enabling it again does not make it new (the domain
-//! names only binding and DOWN → UP), coming UP does.
+//! shared among the others); enabling it again does not make it new (only binding
+//! and DOWN → UP do), coming UP does.
 //!
 //! # Every tick
 //!
@@ -19,7 +19,7 @@
 //! measured over the last [`RATE_WINDOW_MS`] (requests it handed to services and
 //! peers), the services that got requests are recorded (the quiet-interval exit
 //! rule), health changes are applied, the model advances, and its caps become the
-//! entries' caps, which the token buckets of `crate::lb` enforce (what a capped
+//! entries' caps, which the token buckets of `lb` enforce (what a capped
 //! service cannot take goes to the others). `cap_per_second` in the configuration
 //! overrides the model for its service.
 //!
@@ -57,12 +57,10 @@ use lbscale_core::slowstart::{
 };
 use lbscale_proto as pb;
 
-use crate::lb::{Kind, ServiceRt, SvcEntry, VsState};
-use crate::metrics::now_ns;
-use crate::node::{HealthCfg, Vserver};
-
-/// Wakes the ticker at once (a service came UP).
-pub static WAKE: tokio::sync::Notify = tokio::sync::Notify::const_new();
+use crate::clock::now_ns;
+use crate::health::Prober;
+use crate::model::{Kind, Vserver};
+use crate::service::{ServiceRt, SvcEntry};
 
 /// Longest time between two ticks, ms.
 pub const TICK_MS: u64 = 100;
@@ -133,15 +131,17 @@ struct VsRamp {
 /// The slow-start state of every vserver of the node.
 pub struct Ramps {
     by_vs: Mutex<HashMap<String, VsRamp>>,
-    health: HealthCfg,
+    /// Health checks of the ramp peers.
+    prober: Prober,
+    /// The node's address (a peer that is this node is skipped).
     ip: IpAddr,
 }
 
 impl Ramps {
-    pub fn new(health: HealthCfg, ip: IpAddr) -> Self {
+    pub fn new(prober: Prober, ip: IpAddr) -> Self {
         Ramps {
             by_vs: Mutex::new(HashMap::new()),
-            health,
+            prober,
             ip,
         }
     }
@@ -236,12 +236,8 @@ impl Ramps {
                 .unwrap_or_else(|| {
                     let rt = Arc::new(ServiceRt::new(&name, &host, port));
                     // UDP has no connection to probe: UDP peers are not checked.
-                    if !self.health.interval.is_zero() && kind != Kind::Udp {
-                        tokio::spawn(crate::node::health_loop(
-                            Arc::downgrade(&rt),
-                            self.health,
-                            v.name.clone(),
-                        ));
+                    if kind != Kind::Udp {
+                        self.prober.watch(&rt, &v.name);
                     }
                     rt
                 });
@@ -276,18 +272,7 @@ impl Ramps {
             r.end_join_if_over(&st.name);
             if joined && r.join.is_none() {
                 // The peers leave the snapshot: the node serves everything itself.
-                let own: Vec<SvcEntry> = st
-                    .services
-                    .iter()
-                    .filter(|e| !e.peer)
-                    .map(|e| {
-                        let mut c = SvcEntry::new(e.rt.clone(), e.weight, e.enabled);
-                        c.explicit_cap = e.explicit_cap;
-                        c.custom_load = e.custom_load;
-                        c
-                    })
-                    .collect();
-                let new = VsState::new(st.name.clone(), st.kind, st.method, own);
+                let new = st.without_peers();
                 r.apply_caps(&new.services, now);
                 vs.set_state(Arc::new(new));
             } else {

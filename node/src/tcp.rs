@@ -1,4 +1,4 @@
-//! L4 TCP relay (vservers of type TCP, and the nlb forwarder).
+//! L4 TCP relay: vservers of type TCP, and a primary's forwarded connections.
 
 use std::io;
 use std::net::IpAddr;
@@ -11,15 +11,15 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::lb::ServiceRt;
-use crate::metrics::{add_bytes, ConnGuard};
-use crate::node::Vserver;
+use crate::metrics::Traffic;
+use crate::model::Vserver;
+use crate::service::ServiceRt;
 
 /// A stream that counts the bytes read from it into the node's throughput, and
 /// into its service's traffic estimators when there is one.
-pub struct Counted(pub TcpStream, pub Option<Arc<ServiceRt>>);
+struct Counted<'a>(TcpStream, &'a Traffic, Option<Arc<ServiceRt>>);
 
-impl AsyncRead for Counted {
+impl AsyncRead for Counted<'_> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -29,8 +29,8 @@ impl AsyncRead for Counted {
         let r = Pin::new(&mut self.0).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = r {
             let n = buf.filled().len() - before;
-            add_bytes(n);
-            if let Some(rt) = &self.1 {
+            self.1.add_bytes(n);
+            if let Some(rt) = &self.2 {
                 rt.record_traffic(n as u64, 1);
             }
         }
@@ -38,7 +38,7 @@ impl AsyncRead for Counted {
     }
 }
 
-impl AsyncWrite for Counted {
+impl AsyncWrite for Counted<'_> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -54,15 +54,16 @@ impl AsyncWrite for Counted {
     }
 }
 
-/// Relays both ways until both sides close.
-pub async fn relay(client: TcpStream, backend: TcpStream) {
-    relay_for(client, backend, None).await
-}
-
-/// Relays both ways until both sides close, feeding `rt`'s traffic estimators.
-pub async fn relay_for(client: TcpStream, backend: TcpStream, rt: Option<Arc<ServiceRt>>) {
-    let mut a = Counted(client, rt.clone());
-    let mut b = Counted(backend, rt);
+/// Relays both ways until both sides close, counting into the node's `traffic`
+/// and feeding `rt`'s traffic estimators.
+pub async fn relay(
+    client: TcpStream,
+    backend: TcpStream,
+    traffic: &Traffic,
+    rt: Option<Arc<ServiceRt>>,
+) {
+    let mut a = Counted(client, traffic, rt.clone());
+    let mut b = Counted(backend, traffic, rt);
     let _ = tokio::io::copy_bidirectional(&mut a, &mut b).await;
 }
 
@@ -70,7 +71,7 @@ pub async fn relay_for(client: TcpStream, backend: TcpStream, rt: Option<Arc<Ser
 /// connection is refused), then relay until done or the node is killed. `source`
 /// is the SOURCEIP persistence key (the client's address).
 pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
-    let _g = ConnGuard::new();
+    let _g = vs.traffic.connection();
     let _ = client.set_nodelay(true);
     let st = vs.state();
     let Some(mut idx) = vs.pick_for(&st, source, None) else {
@@ -81,7 +82,7 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     for _ in 0..attempts {
         let rt = &st.services[idx].rt;
         let start = Instant::now();
-        match rt.connect().await {
+        match rt.connect(&vs.dialer).await {
             Ok(s) => {
                 rt.record_response(start.elapsed().as_micros() as u64);
                 backend = Some(s);
@@ -103,7 +104,7 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     let rkill = rt.kill_token();
     tokio::select! {
         _ = rkill.cancelled() => {}
-        _ = relay_for(client, backend, rt.track_traffic.load(Ordering::Relaxed).then(|| rt.clone())) => {}
+        _ = relay(client, backend, &vs.traffic, rt.track_traffic.load(Ordering::Relaxed).then(|| rt.clone())) => {}
         _ = vs.kill.cancelled() => {}
     }
     rt.active.fetch_sub(1, Ordering::Relaxed);

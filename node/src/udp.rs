@@ -1,7 +1,7 @@
 //! UDP vserver: one flow per client address, relayed through a connected socket
 //! towards the chosen service; a flow ends after 30 s without a reply. A
 //! scale-out primary relays a forwarded flow to its secondary instead (see
-//! `crate::scaleout`).
+//! `scaleout`).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use tokio::net::UdpSocket;
 
-use crate::metrics::{add_bytes, ConnGuard};
-use crate::node::Vserver;
+use crate::model::Vserver;
+use crate::persist::Persistence;
+use crate::scaleout::{Peer, Route};
+use crate::service::ServiceRt;
 
 const FLOW_IDLE: Duration = Duration::from_secs(30);
 
@@ -20,7 +22,7 @@ struct Flow {
     up: Arc<UdpSocket>,
     dead: AtomicBool,
     /// The service, when the flow is served here (none when forwarded).
-    rt: Option<Arc<crate::lb::ServiceRt>>,
+    rt: Option<Arc<ServiceRt>>,
 }
 
 pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
@@ -38,7 +40,7 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
                 }
             },
         };
-        add_bytes(n);
+        vs.traffic.add_bytes(n);
         let flow = match flows.get(&peer) {
             Some(f) if !f.dead.load(Ordering::Relaxed) => f.clone(),
             _ => {
@@ -67,16 +69,16 @@ async fn open_flow(
     ip: IpAddr,
     client: SocketAddr,
 ) -> Option<Arc<Flow>> {
-    let sticky = vs.state().persistence == crate::persist::Persistence::SourceIp;
+    let sticky = vs.state().persistence == Persistence::SourceIp;
     let forward = match vs.scaleout.route(client.ip(), sticky) {
-        crate::scaleout::Route::Forward(p) => match p.resolve().await {
+        Route::Forward(p) => match p.resolve().await {
             Ok(a) => Some((p, a)),
             Err(e) => {
                 tracing::warn!(secondary = %p.address, error = %e, "secondary unresolvable: serving on the primary");
                 None
             }
         },
-        crate::scaleout::Route::Local => None,
+        Route::Local => None,
     };
     if let Some((peer, target)) = forward {
         return open_forwarded_flow(sock, vs, ip, client, peer, target).await;
@@ -104,7 +106,7 @@ async fn open_flow(
     rt.active.fetch_add(1, Ordering::Relaxed);
     let rkill = rt.kill_token();
     tokio::spawn(async move {
-        let _g = ConnGuard::new();
+        let _g = vs.traffic.connection();
         let mut buf = vec![0u8; 65536];
         loop {
             tokio::select! {
@@ -112,7 +114,7 @@ async fn open_flow(
                 _ = vs.kill.cancelled() => break,
                 r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
                     Ok(Ok(n)) => {
-                        add_bytes(n);
+                        vs.traffic.add_bytes(n);
                         rt.record_traffic(n as u64, 1);
                         let _ = sock.send_to(&buf[..n], client).await;
                     }
@@ -147,7 +149,7 @@ async fn open_forwarded_flow(
     vs: &Arc<Vserver>,
     ip: IpAddr,
     client: SocketAddr,
-    peer: Arc<crate::scaleout::Peer>,
+    peer: Arc<Peer>,
     target: SocketAddr,
 ) -> Option<Arc<Flow>> {
     let up = connected_socket(ip, target).await?;
@@ -162,7 +164,7 @@ async fn open_forwarded_flow(
     let kill = peer.kill_token();
     let active = peer.track();
     tokio::spawn(async move {
-        let _g = ConnGuard::new();
+        let _g = vs.traffic.connection();
         let _active = active;
         let mut buf = vec![0u8; 65536];
         loop {
@@ -171,7 +173,7 @@ async fn open_forwarded_flow(
                 _ = vs.kill.cancelled() => break,
                 r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
                     Ok(Ok(n)) => {
-                        add_bytes(n);
+                        vs.traffic.add_bytes(n);
                         let _ = sock.send_to(&buf[..n], client).await;
                     }
                     Ok(Err(_)) | Err(_) => break,
