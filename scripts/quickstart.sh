@@ -11,9 +11,11 @@
 # Steps:
 #   1. scripts/setup.sh: apt packages (dig, curl), protoc into .tools/protoc,
 #      Terraform 1.0.3 into .tools/bin, `cargo build` of the provider, lbscale-node and lbscale;
-#   2. a Terraform CLI configuration of its own (.tools/quickstart/terraformrc)
-#      with dev_overrides for lbscale/lbscale -> target/debug, so no registry and
-#      no `terraform init` are needed;
+#   2. scripts/package-provider.sh packages that debug build as a registry release
+#      (with lbscale-node in the zip) into the filesystem mirror .tools/mirror; a
+#      Terraform CLI configuration of its own (.tools/quickstart/terraformrc) takes
+#      lbscale/lbscale from that mirror only, and `terraform init` installs it from
+#      there (offline), writing examples/quickstart/.terraform.lock.hcl;
 #   3. three HTTP backends on 127.0.0.1:18101-18103 that answer "backend-N" on /
 #      and 64 KiB on /blob;
 #   4. terraform apply in examples/quickstart (a dns distributor, a group of
@@ -86,15 +88,20 @@ pidfile="$work/backends.pids"
 daemon_pidfile="$work/daemon.pid"
 samples="$work/samples.csv"
 
-# --- Terraform, talking to the freshly built provider ------------------------------
+# --- Terraform, installing the provider from the mirror ----------------------------
+mirror="$root/.tools/mirror"
 export TF_CLI_CONFIG_FILE="$work/terraformrc"
 cat >"$TF_CLI_CONFIG_FILE" <<EOF
-# Written by scripts/quickstart.sh: use the provider built in this repository.
+# Written by scripts/quickstart.sh: lbscale/lbscale from the filesystem mirror that
+# scripts/package-provider.sh fills with the provider built in this repository.
 provider_installation {
-  dev_overrides {
-    "lbscale/lbscale" = "$root/target/debug"
+  filesystem_mirror {
+    path    = "$mirror"
+    include = ["lbscale/lbscale"]
   }
-  direct {}
+  direct {
+    exclude = ["lbscale/lbscale"]
+  }
 }
 EOF
 export CHECKPOINT_DISABLE=1
@@ -178,7 +185,6 @@ for bin in terraform-provider-lbscale lbscale-node lbscale; do
 done
 [ -x "$terraform" ] || die "$terraform was not installed"
 info "terraform:  $terraform ($("$terraform" version | head -n1))"
-info "provider:   $root/target/debug/terraform-provider-lbscale (dev_overrides in $TF_CLI_CONFIG_FILE)"
 
 has_resources() {
   [ -f "$example/terraform.tfstate" ] &&
@@ -188,6 +194,23 @@ has_resources() {
 if has_resources; then
   die "examples/quickstart already has a fleet (an earlier --keep?): run ./scripts/quickstart.sh --destroy first"
 fi
+
+step "package the provider into the filesystem mirror $mirror"
+"$root/scripts/package-provider.sh" --bin-dir "$root/target/debug" --mirror "$mirror" >/dev/null 2>"$work/package.log" ||
+  { cat "$work/package.log" >&2; die "scripts/package-provider.sh failed (above)"; }
+grep -E '^package-provider: (version|zip sha256)' "$work/package.log" | sed 's/^package-provider: /    /'
+
+step "terraform init: lbscale/lbscale from the mirror (offline, $TF_CLI_CONFIG_FILE)"
+# Each run packages a new build under the same version, whose hashes are not the
+# ones an earlier run's lock file pinned: start from a fresh lock. (A user of a
+# released version keeps the lock, and init checks the package against it.)
+rm -rf "$example/.terraform" "$example/.terraform.lock.hcl"
+timeout 120 "$terraform" -chdir="$example" init -input=false -no-color >"$work/init.log" 2>&1 ||
+  { cat "$work/init.log" >&2; die "terraform init could not install lbscale/lbscale from $mirror (error above): package it there again with ./scripts/package-provider.sh --bin-dir target/debug --mirror $mirror; if examples/quickstart/.terraform.lock.hcl pins another build, delete it"; }
+grep -E '^- (Installing|Installed)' "$work/init.log" | sed 's/^/    /'
+lock_hash=$(grep -o '"h1:[^"]*"' "$example/.terraform.lock.hcl" | tr -d '"' || true)
+[ -n "$lock_hash" ] || die "terraform init wrote no h1: hash into examples/quickstart/.terraform.lock.hcl"
+info "examples/quickstart/.terraform.lock.hcl pins lbscale/lbscale $lock_hash"
 
 # --- 2. backends -------------------------------------------------------------------
 applied=0
@@ -243,7 +266,6 @@ done
 
 # --- 3. apply ----------------------------------------------------------------------
 step "terraform apply in examples/quickstart (address prefix $TF_VAR_address_prefix)"
-info "no terraform init: dev_overrides point Terraform at target/debug"
 applied=1
 timeout 600 "$terraform" -chdir="$example" apply -auto-approve -no-color
 
