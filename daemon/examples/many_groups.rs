@@ -3,7 +3,7 @@
 //! `cargo run -p lbscale-daemon --example many_groups -- DIR PREFIX N [STATS_INTERVAL]`
 //! then `lbscale daemon --state sqlite://DIR/state.db --address-prefix PREFIX`.
 
-use lbscale_engine::cloud::local::LocalSettings;
+use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::model::{DistributorSpec, GroupSpec, ThresholdSpec};
 use lbscale_engine::Engine;
 use std::path::PathBuf;
@@ -25,8 +25,8 @@ async fn main() {
         node_binary,
         ..LocalSettings::default()
     };
-    let clouds = lbscale_engine::cloud::Clouds::new()
-        .with("local", lbscale_engine::cloud::local::drivers(settings));
+    let clouds =
+        lbscale_engine::cloud::Clouds::new().with("local", lbscale_cloud_local::drivers(settings));
     let engine = Engine::open("sqlite://state.db", &dir, clouds).expect("open store");
     let d = engine
         .create_distributor(&DistributorSpec {

@@ -41,7 +41,8 @@ pub mod http;
 pub mod metrics;
 pub mod resume;
 
-use lbscale_engine::cloud::local::LocalSettings;
+use lbscale_cloud_aws::AwsSettings;
+use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::Engine;
 use metrics::{GroupStatus, Metrics};
 use std::collections::{BTreeMap, HashMap};
@@ -137,8 +138,8 @@ impl std::fmt::Display for StartError {
 /// most `shutdown_grace`), gives up its ownership leases and returns.
 pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
     let clouds = lbscale_engine::cloud::Clouds::new()
-        .with("local", lbscale_engine::cloud::local::drivers(cfg.local.clone()))
-        .with("aws", lbscale_engine::cloud::aws::drivers(lbscale_engine::cloud::aws::AwsSettings::from_env()));
+        .with("local", lbscale_cloud_local::drivers(cfg.local.clone()))
+        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()));
     let engine = Engine::open(&cfg.state_url, &cfg.base_dir, clouds)
         .map_err(|e| StartError(format!("--state: {e}")))?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)

@@ -2,7 +2,9 @@
 //!
 //! - [`model`]: the declared objects and their validation;
 //! - [`store`]: the store shared by the provider and the daemon;
-//! - [`cloud`]: the drivers (where nodes come from, how clients reach them);
+//! - [`cloud`]: the driver traits (where nodes come from, how clients reach them)
+//!   and the registry of clouds by name that the embedding program fills (the
+//!   drivers are crates of their own: `lbscale-cloud-local`, `lbscale-cloud-aws`);
 //! - [`nodeapi`]: the client of a node's management API;
 //! - [`placement`]: which nodes hold a vserver, and who forwards to whom;
 //! - [`fault`]: a test hook that aborts the process at a named workflow step;
@@ -13,18 +15,17 @@
 //! `lbscale-core`, which has no I/O.
 
 pub mod cloud;
+pub mod daemon_api;
 pub mod fault;
 pub mod model;
-#[doc(hidden)]
-pub mod moto_testing;
 pub mod nodeapi;
 mod pgtls;
 pub mod placement;
 pub mod reconcile;
 mod sqldb;
 pub mod store;
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod store_testing;
-mod tlsroots;
+pub mod tlsroots;
 
 pub use reconcile::{Engine, EngineError};

@@ -1,10 +1,8 @@
-//! The local cloud against the real `lbscale-node` binary: a node is a process that
-//! outlives nothing but its deprovisioning, on its own loopback address.
+//! The engine on the local cloud (real `lbscale-node` and distributor processes).
 
-use lbscale_engine::cloud::local::{process_alive, LocalCloud, LocalSettings};
-use lbscale_engine::cloud::{Cloud, Clouds, DriverStore, ProvisionRequest};
-use lbscale_engine::nodeapi::NodeClient;
-use lbscale_engine::store::{NodeRow, NodeState, Store};
+use lbscale_cloud_local::LocalSettings;
+use lbscale_engine::cloud::Clouds;
+use lbscale_engine::store::Store;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -22,67 +20,6 @@ fn node_binary() -> PathBuf {
         p.display()
     );
     p
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_node_is_a_real_process_with_an_authenticated_api() {
-    let dir = std::env::temp_dir().join(format!("lbscale-local-{}", std::process::id()));
-    let store = Arc::new(Store::open(&dir.join("state.db")).unwrap());
-    let settings = LocalSettings {
-        address_prefix: "127.61.".into(),
-        node_binary: Some(node_binary()),
-        ..LocalSettings::default()
-    };
-    let cloud = LocalCloud::new(settings, DriverStore::new(store.clone()));
-    let token = "0123456789abcdef".repeat(4);
-    let req = ProvisionRequest {
-        node_id: format!("t-az1-1-{}", std::process::id()),
-        group_id: "g".into(),
-        az: "az1".into(),
-        memory_limit_mb: 256,
-        token: token.clone(),
-    };
-    let p = cloud.provision(&req).await.expect("provision");
-    assert!(p.private_ip.starts_with("127.61."), "{}", p.private_ip);
-    let row = NodeRow {
-        id: req.node_id.clone(),
-        group_id: "g".into(),
-        az: "az1".into(),
-        seq: 1,
-        state: NodeState::Joining,
-        private_ip: p.private_ip.clone(),
-        public_ip: p.public_ip.clone(),
-        registered: false,
-        handle: p.handle.clone(),
-        created_at: 0,
-    };
-    assert!(cloud.is_alive(&row).await.unwrap());
-    let pid = p.handle["pid"].as_u64().unwrap() as u32;
-
-    let mut client = NodeClient::connect(&p.private_ip, p.api_port, &token)
-        .await
-        .unwrap();
-    let stats = client.stats().await.unwrap();
-    assert_eq!(stats.node_id, req.node_id);
-    let mut wrong = NodeClient::connect(&p.private_ip, p.api_port, "not-the-token")
-        .await
-        .unwrap();
-    let err = wrong.stats().await.unwrap_err().to_string();
-    assert!(err.contains("Unauthenticated"), "{err}");
-
-    cloud.deprovision(&row).await.unwrap();
-    assert!(!process_alive(pid, &req.node_id));
-    assert!(!cloud.is_alive(&row).await.unwrap());
-    assert!(
-        std::net::TcpStream::connect((p.private_ip.as_str(), p.api_port)).is_err(),
-        "API still listening"
-    );
-    assert_eq!(
-        store.rows_mentioning(&req.node_id).unwrap(),
-        0,
-        "address not released"
-    );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The daemon and a Terraform apply each publish what a distributor hands out:
@@ -104,7 +41,7 @@ async fn publications_to_one_distributor_take_turns_across_processes() {
         node_binary: Some(node_binary()),
         ..LocalSettings::default()
     };
-    let clouds = Clouds::new().with("local", lbscale_engine::cloud::local::drivers(settings));
+    let clouds = Clouds::new().with("local", lbscale_cloud_local::drivers(settings));
     let engine = Arc::new(Engine::open(&url, &dir, clouds).unwrap());
     let spec = DistributorSpec {
         name: "turns".into(),

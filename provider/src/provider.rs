@@ -6,11 +6,11 @@ use crate::resources::{
     distributor::Distributor, group::Group, managed::Managed, se_group::SeGroup, vserver::Vserver,
 };
 use async_trait::async_trait;
-use lbscale_engine::cloud::aws::{api::Endpoint, parse_credentials, AwsSettings};
-use lbscale_engine::cloud::local::{check_address_prefix, LocalSettings};
+use lbscale_cloud_aws::{api::Endpoint, parse_credentials, AwsSettings};
+use lbscale_cloud_local::{check_address_prefix, LocalSettings};
+use lbscale_engine::cloud::Clouds;
 use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 use lbscale_engine::Engine;
-use lbscale_engine::cloud::Clouds;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -260,8 +260,8 @@ impl Provider for LbscaleProvider {
         };
         let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
         let clouds = Clouds::new()
-            .with("local", lbscale_engine::cloud::local::drivers(local))
-            .with("aws", lbscale_engine::cloud::aws::drivers(aws));
+            .with("local", lbscale_cloud_local::drivers(local))
+            .with("aws", lbscale_cloud_aws::drivers(aws));
         match Engine::open(&url, &cwd, clouds) {
             Ok(e) => {
                 let _ = self.engine.set(Arc::new(e));

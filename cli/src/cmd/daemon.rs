@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use lbscale_cloud_local::check_address_prefix;
 use lbscale_daemon::DaemonConfig;
-use lbscale_engine::cloud::local::check_address_prefix;
 use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 
 use crate::output::CliError;
@@ -95,7 +95,7 @@ fn port(flag: &str, v: &str) -> Result<u16, CliError> {
 pub fn run(args: &[String]) -> Result<(), CliError> {
     let mut state = None;
     let mut listen: SocketAddr = "127.0.0.1:9464".parse().expect("default listen address");
-    let mut local = lbscale_engine::cloud::local::LocalSettings::default();
+    let mut local = lbscale_cloud_local::LocalSettings::default();
     let mut json_logs = false;
     let mut grace = None;
     for (flag, value) in flag_pairs(args, FLAGS)? {

@@ -4,8 +4,8 @@
 //! back-off it waits for); then, for groups behind an `nlb`, each vserver's span
 //! per AZ and the nodes that hold it.
 
-use lbscale_engine::cloud::aws::AwsSettings;
-use lbscale_engine::cloud::local::LocalSettings;
+use lbscale_cloud_aws::AwsSettings;
+use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::Engine;
 
 use crate::cmd::daemon::{check_state_url, flag_pairs, state_url};
@@ -34,8 +34,11 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
     // Each node's state is asked of its cloud, as the provider and the daemon do.
     let clouds = lbscale_engine::cloud::Clouds::new()
-        .with("local", lbscale_engine::cloud::local::drivers(LocalSettings::default()))
-        .with("aws", lbscale_engine::cloud::aws::drivers(AwsSettings::from_env()));
+        .with(
+            "local",
+            lbscale_cloud_local::drivers(LocalSettings::default()),
+        )
+        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()));
     let engine = Engine::open(&state, &cwd, clouds)
         .map_err(|e| CliError::Output(format!("--state: {e}")))?;
     let groups = engine

@@ -5,13 +5,12 @@
 //! - [`Distributor`] runs a traffic distributor and publishes the addresses that it
 //!   hands out.
 //!
-//! `local` is the embedded default: nodes are `lbscale-node` processes on loopback
-//! addresses of this machine, the `dns` distributor is an authoritative DNS server
-//! process and the `nlb` distributor an L4 forwarder process. [`aws`] runs nodes
-//! on EC2 and `dns` distributors on Route 53.
-
-pub mod aws;
-pub mod local;
+//! The engine knows no cloud by name: the program that embeds it (the provider,
+//! the daemon, the CLI) registers the drivers it is built with in [`Clouds`],
+//! and the engine looks a group's or distributor's `cloud` up there. Drivers
+//! are crates of their own (`lbscale-cloud-local`: processes on this machine;
+//! `lbscale-cloud-aws`: EC2, Route 53, ELBv2), which keep what they need in the
+//! store through [`DriverStore`].
 
 use crate::model::DistributorSpec;
 use crate::store::{NodeRow, Store};

@@ -355,7 +355,7 @@ provider "lbscale" {{{}
     /// The engine on this workspace's store and local cloud, as the daemon opens
     /// it: to scale a group outside Terraform.
     pub fn engine(&self) -> lbscale_engine::Engine {
-        let settings = lbscale_engine::cloud::local::LocalSettings {
+        let settings = lbscale_cloud_local::LocalSettings {
             address_prefix: self.prefix.clone(),
             node_binary: Some(bin_dir().join("lbscale-node")),
             ..Default::default()
@@ -365,7 +365,7 @@ provider "lbscale" {{{}
             .as_deref()
             .unwrap_or("sqlite://.lbscale/state.db");
         let clouds = lbscale_engine::cloud::Clouds::new()
-            .with("local", lbscale_engine::cloud::local::drivers(settings));
+            .with("local", lbscale_cloud_local::drivers(settings));
         lbscale_engine::Engine::open(url, &self.dir, clouds).expect("open the engine")
     }
 

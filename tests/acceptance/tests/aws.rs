@@ -1,5 +1,5 @@
 //! The aws cloud under the real Terraform CLI, against moto's server (a real
-//! implementation of the AWS APIs; see `lbscale_engine::moto_testing`): a
+//! implementation of the AWS APIs; see `lbscale_cloud_aws::moto_testing`): a
 //! `dns` distributor is a Route 53 record set, a group's nodes are EC2
 //! instances, and bad settings (and the clouds not built yet) are refused at
 //! plan time by name. The `nlb` distributor (ELBv2) is tested at the driver
@@ -7,7 +7,7 @@
 //! behind it can come up under Terraform.
 
 use lbscale_acceptance::*;
-use lbscale_engine::moto_testing::{moto, unique, Moto};
+use lbscale_cloud_aws::moto_testing::{moto, unique, Moto};
 
 const SECRET: &str = "acceptance-secret-key-value";
 

@@ -5,7 +5,7 @@
 //! `LBSCALE_TERRAFORMS`.
 
 use lbscale_acceptance::*;
-use lbscale_engine::cloud::aws::sigv4::sha256_hex;
+use lbscale_cloud_aws::sigv4::sha256_hex;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -1,0 +1,542 @@
+//! Signed calls to AWS's APIs over HTTP/1.1 (TLS unless the endpoint says
+//! `http://`, which only a test endpoint such as moto's server does).
+//!
+//! Two shapes cover the driver: the query APIs of EC2 and ELBv2 (a form-encoded
+//! `POST /` with `Action` and `Version`) and Route 53's REST API (XML bodies).
+//! Every call has a deadline and names its action in errors; throttling answers
+//! are retried with back-off. The response is the body's XML, parsed later by
+//! [`super::xml`].
+
+use super::sigv4::{self, Credentials};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use lbscale_engine::cloud::{CloudError, Result};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpStream;
+
+/// How long one call (connection, request and the whole answer) may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Attempts of a call that AWS throttled or that could not connect.
+const ATTEMPTS: u32 = 4;
+
+/// The AWS services the driver calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Ec2,
+    Elb,
+    Route53,
+}
+
+impl Service {
+    /// The name in the signature's scope.
+    fn signing_name(self) -> &'static str {
+        match self {
+            Service::Ec2 => "ec2",
+            Service::Elb => "elasticloadbalancing",
+            Service::Route53 => "route53",
+        }
+    }
+    /// Route 53 is global within a partition: signed for the partition's
+    /// first region whatever the region.
+    fn signing_region(self, region: &str) -> String {
+        match (self, Partition::of(region)) {
+            (Service::Route53, Partition::Aws) => "us-east-1".into(),
+            (Service::Route53, Partition::China) => "cn-northwest-1".into(),
+            (Service::Route53, Partition::GovCloud) => "us-gov-west-1".into(),
+            _ => region.into(),
+        }
+    }
+    fn default_host(self, region: &str) -> String {
+        let suffix = match Partition::of(region) {
+            Partition::China => "amazonaws.com.cn",
+            _ => "amazonaws.com",
+        };
+        match (self, Partition::of(region)) {
+            (Service::Ec2, _) => format!("ec2.{region}.{suffix}"),
+            (Service::Elb, _) => format!("elasticloadbalancing.{region}.{suffix}"),
+            (Service::Route53, Partition::Aws) => "route53.amazonaws.com".into(),
+            (Service::Route53, Partition::China) => "route53.amazonaws.com.cn".into(),
+            (Service::Route53, Partition::GovCloud) => "route53.us-gov.amazonaws.com".into(),
+        }
+    }
+}
+
+/// AWS's partitions: their own endpoints and their own global region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Partition {
+    Aws,
+    China,
+    GovCloud,
+}
+
+impl Partition {
+    fn of(region: &str) -> Partition {
+        if region.starts_with("cn-") {
+            Partition::China
+        } else if region.starts_with("us-gov-") {
+            Partition::GovCloud
+        } else {
+            Partition::Aws
+        }
+    }
+}
+
+/// Where calls go: AWS's public endpoint of each service, or one endpoint for
+/// all of them (`endpoint` in the provider's `aws` block, `AWS_ENDPOINT_URL`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// Parses `http://HOST[:PORT]` or `https://HOST[:PORT]` (a trailing `/` is
+    /// fine; no path).
+    pub fn parse(url: &str) -> std::result::Result<Endpoint, String> {
+        let bad = |why: &str| format!("endpoint {url:?}: {why}; expected http(s)://HOST[:PORT]");
+        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(bad("the scheme must be http or https"));
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.is_empty() || rest.contains('/') || rest.contains('@') {
+            return Err(bad("a host, and nothing after it but a port"));
+        }
+        let (host, port) = match rest.rsplit_once(':') {
+            Some((h, p)) if !h.is_empty() && !p.contains(']') => (
+                h.to_string(),
+                p.parse::<u16>()
+                    .map_err(|_| bad("the port must be 1-65535"))?,
+            ),
+            _ => (rest.to_string(), if tls { 443 } else { 80 }),
+        };
+        // An IPv6 literal is connected to without its brackets.
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .map(str::to_string)
+            .unwrap_or(host);
+        Ok(Endpoint { tls, host, port })
+    }
+
+    /// The `Host` header: the port only when it is not the scheme's default.
+    fn host_header(&self) -> String {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        if self.port == if self.tls { 443 } else { 80 } {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+}
+
+/// An answer that AWS refused, with AWS's error code and message.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+}
+
+/// A client of the AWS APIs in one region with one set of credentials.
+pub struct AwsApi {
+    region: String,
+    endpoint: Option<Endpoint>,
+    credentials: Credentials,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl AwsApi {
+    pub fn new(
+        region: String,
+        endpoint: Option<Endpoint>,
+        credentials: Credentials,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> AwsApi {
+        AwsApi {
+            region,
+            endpoint,
+            credentials,
+            tls,
+        }
+    }
+
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// An AWS error message as it may be shown: a signature mismatch quotes the
+    /// canonical request (with the session token) and is cut there, and the
+    /// secret and the token never appear.
+    fn redacted(&self, message: String) -> String {
+        let mut m = match message.find("The Canonical String") {
+            Some(at) => format!("{}(canonical request not shown)", &message[..at]),
+            None => message,
+        };
+        let secrets = [
+            Some(self.credentials.secret_access_key.as_str()),
+            self.credentials.session_token.as_deref(),
+        ];
+        for secret in secrets.into_iter().flatten().filter(|s| !s.is_empty()) {
+            m = m.replace(secret, "<redacted>");
+        }
+        m
+    }
+
+    /// A query-API call (EC2, ELBv2): `Action` with `params`; the body of the
+    /// answer, or an error naming the action and AWS's code.
+    pub async fn query(
+        &self,
+        service: Service,
+        action: &str,
+        version: &str,
+        params: &[(String, String)],
+    ) -> Result<String> {
+        let mut form = vec![
+            ("Action".to_string(), action.to_string()),
+            ("Version".to_string(), version.to_string()),
+        ];
+        form.extend(params.iter().cloned());
+        let body = form
+            .iter()
+            .map(|(k, v)| format!("{}={}", sigv4::uri_encode(k), sigv4::uri_encode(v)))
+            .collect::<Vec<_>>()
+            .join("&");
+        self.call(
+            service,
+            action,
+            "POST",
+            "/",
+            Some(("application/x-www-form-urlencoded; charset=utf-8", body)),
+        )
+        .await
+        .map_err(|e| failed(service, action, e))
+    }
+
+    /// A REST call (Route 53): `method` on `path` with an optional XML body.
+    /// `what` names the call in errors.
+    pub async fn rest(
+        &self,
+        service: Service,
+        what: &str,
+        method: &str,
+        path: &str,
+        xml: Option<String>,
+    ) -> std::result::Result<String, ApiError> {
+        self.call(service, what, method, path, xml.map(|b| ("text/xml", b)))
+            .await
+    }
+
+    async fn call(
+        &self,
+        service: Service,
+        what: &str,
+        method: &str,
+        path: &str,
+        body: Option<(&str, String)>,
+    ) -> std::result::Result<String, ApiError> {
+        let endpoint = match &self.endpoint {
+            Some(e) => e.clone(),
+            None => Endpoint {
+                tls: true,
+                host: service.default_host(&self.region),
+                port: 443,
+            },
+        };
+        let mut delay = Duration::from_millis(200);
+        let mut attempt = 1;
+        loop {
+            let r = tokio::time::timeout(
+                CALL_TIMEOUT,
+                self.once(service, &endpoint, method, path, body.as_ref()),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(ApiError {
+                    status: 0,
+                    code: "Timeout".into(),
+                    message: format!(
+                        "no answer from {}:{} within {}s",
+                        endpoint.host,
+                        endpoint.port,
+                        CALL_TIMEOUT.as_secs()
+                    ),
+                })
+            });
+            match r {
+                Err(e) if attempt < ATTEMPTS && retryable(&e) => {
+                    tracing::debug!(call = what, attempt, code = %e.code, "retrying an AWS call");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn once(
+        &self,
+        service: Service,
+        endpoint: &Endpoint,
+        method: &str,
+        path: &str,
+        body: Option<&(&str, String)>,
+    ) -> std::result::Result<String, ApiError> {
+        let host = endpoint.host_header();
+        let content: &[u8] = body.map(|(_, b)| b.as_bytes()).unwrap_or(b"");
+        let headers: Vec<(String, String)> = body
+            .map(|(ct, _)| vec![("content-type".to_string(), ct.to_string())])
+            .unwrap_or_default();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        // The query is signed as its parameters, and sent as it was signed.
+        let (path, query) = sigv4::split_query(path);
+        let uri = if query.is_empty() {
+            path.clone()
+        } else {
+            format!("{path}?{}", sigv4::canonical_query(&query))
+        };
+        let signed = sigv4::sign(
+            &sigv4::Request {
+                method,
+                host: &host,
+                path: &path,
+                query: &query,
+                headers: &headers,
+                body: content,
+            },
+            &self.credentials,
+            &service.signing_region(&self.region),
+            service.signing_name(),
+            now,
+        );
+        let mut req = hyper::Request::builder().method(method).uri(uri);
+        for (k, v) in &signed {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let req = req
+            .header("content-length", content.len())
+            .body(Full::new(Bytes::copy_from_slice(content)))
+            .map_err(|e| transport(format!("building the request: {e}")))?;
+
+        let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
+            .await
+            .map_err(|e| {
+                transport(format!(
+                    "connecting to {}:{}: {e}",
+                    endpoint.host, endpoint.port
+                ))
+            })?;
+        let _ = tcp.set_nodelay(true);
+        let (status, bytes) = if endpoint.tls {
+            let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
+                .map_err(|e| transport(format!("{}: not a TLS server name: {e}", endpoint.host)))?;
+            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|e| transport(format!("TLS with {}: {e}", endpoint.host)))?;
+            exchange(tls, req).await?
+        } else {
+            exchange(tcp, req).await?
+        };
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        if (200..300).contains(&status) {
+            return Ok(text);
+        }
+        let (code, message) = super::xml::error_code_and_message(&text).unwrap_or_else(|| {
+            (
+                format!("HTTP{status}"),
+                text.chars().take(200).collect::<String>(),
+            )
+        });
+        let message = self.redacted(message);
+        Err(ApiError {
+            status,
+            code,
+            message,
+        })
+    }
+}
+
+async fn exchange<IO>(
+    io: IO,
+    req: hyper::Request<Full<Bytes>>,
+) -> std::result::Result<(u16, Bytes), ApiError>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+            .await
+            .map_err(|e| transport(format!("HTTP handshake: {e}")))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| transport(format!("sending the request: {e}")))?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| transport(format!("reading the answer: {e}")))?
+        .to_bytes();
+    Ok((status, body))
+}
+
+fn transport(message: String) -> ApiError {
+    ApiError {
+        status: 0,
+        code: "Transport".into(),
+        message,
+    }
+}
+
+/// Throttling, AWS's own transient failures and connections that failed.
+fn retryable(e: &ApiError) -> bool {
+    // A call that timed out is retried too: every call the driver makes is
+    // idempotent (RunInstances carries a client token).
+    matches!(
+        e.code.as_str(),
+        "Timeout"
+            | "Throttling"
+            | "ThrottlingException"
+            | "RequestLimitExceeded"
+            | "PriorRequestNotComplete"
+            | "ServiceUnavailable"
+            | "InternalError"
+            | "Transport"
+    ) || e.status >= 500
+}
+
+/// A refused call as the engine reports it: the service, the call, AWS's code
+/// and message.
+pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
+    let status = if e.status > 0 {
+        format!(" (HTTP {})", e.status)
+    } else {
+        String::new()
+    };
+    CloudError::Failed(format!(
+        "AWS {} {what}{status}: {}: {}",
+        service.signing_name(),
+        e.code,
+        e.message
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{AwsApi, Credentials, Endpoint, Service};
+    use std::sync::Arc;
+
+    #[test]
+    fn each_partition_has_its_endpoints_and_route53_region() {
+        assert_eq!(
+            Service::Ec2.default_host("eu-west-1"),
+            "ec2.eu-west-1.amazonaws.com"
+        );
+        assert_eq!(Service::Route53.signing_region("eu-west-1"), "us-east-1");
+        assert_eq!(
+            Service::Ec2.default_host("cn-north-1"),
+            "ec2.cn-north-1.amazonaws.com.cn"
+        );
+        assert_eq!(
+            Service::Route53.default_host("cn-north-1"),
+            "route53.amazonaws.com.cn"
+        );
+        assert_eq!(
+            Service::Route53.signing_region("cn-north-1"),
+            "cn-northwest-1"
+        );
+        assert_eq!(
+            Service::Route53.default_host("us-gov-east-1"),
+            "route53.us-gov.amazonaws.com"
+        );
+        assert_eq!(
+            Service::Route53.signing_region("us-gov-east-1"),
+            "us-gov-west-1"
+        );
+        assert_eq!(
+            Service::Elb.signing_region("us-gov-east-1"),
+            "us-gov-east-1"
+        );
+    }
+
+    #[test]
+    fn error_messages_never_show_the_secret_or_the_token() {
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+        let api = AwsApi::new(
+            "us-east-1".into(),
+            None,
+            Credentials {
+                access_key_id: "AKID".into(),
+                secret_access_key: "SECRETKEY".into(),
+                session_token: Some("TOKENVALUE".into()),
+            },
+            Arc::new(tls),
+        );
+        let m = api.redacted(
+            "The request signature we calculated does not match. The Canonical String for this request should have been\n'GET\nx-amz-security-token:TOKENVALUE'".into(),
+        );
+        assert!(
+            !m.contains("TOKENVALUE") && m.contains("does not match"),
+            "{m}"
+        );
+        let m = api.redacted("echoed SECRETKEY and TOKENVALUE".into());
+        assert_eq!(m, "echoed <redacted> and <redacted>");
+    }
+
+    #[test]
+    fn endpoints_parse_and_refuse_by_name() {
+        assert_eq!(
+            Endpoint::parse("http://127.0.0.1:5000/").unwrap(),
+            Endpoint {
+                tls: false,
+                host: "127.0.0.1".into(),
+                port: 5000
+            }
+        );
+        assert_eq!(Endpoint::parse("https://aws.example").unwrap().port, 443);
+        let v6 = Endpoint::parse("http://[::1]:5000").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("::1", 5000));
+        assert_eq!(v6.host_header(), "[::1]:5000");
+        assert_eq!(
+            Endpoint::parse("https://[::1]").unwrap().host_header(),
+            "[::1]"
+        );
+        for bad in [
+            "ftp://x",
+            "http://",
+            "http://h:99999",
+            "https://h/path",
+            "127.0.0.1:5000",
+        ] {
+            let e = Endpoint::parse(bad).unwrap_err();
+            assert!(
+                e.contains("endpoint") && e.contains("http(s)://HOST[:PORT]"),
+                "{e}"
+            );
+        }
+    }
+}
