@@ -133,7 +133,7 @@ fn header_only(q: &[u8], rcode: u8) -> Vec<u8> {
 }
 
 /// Builds the answer to one query, or None to ignore it (not a query, too short).
-/// `max_len`: the transport's limit (UDP: 512 or the EDNS size; TCP: 65535).
+/// A response fits the transport's limit (UDP: 512 or the EDNS size; TCP: 65535).
 pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
     if q.len() < 12 || q[2] & 0x80 != 0 {
         return None;
@@ -146,20 +146,40 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
     if qdcount != 1 {
         return Some(header_only(q, RCODE_FORMERR));
     }
-    // Question: uncompressed name.
+    let Some(question) = read_question(q) else {
+        return Some(header_only(q, RCODE_FORMERR));
+    };
+    let edns = edns_size(q, question.end)?;
+    let max_len = if udp {
+        edns.map(|s| s.min(EDNS_SIZE)).unwrap_or(512) as usize
+    } else {
+        65535
+    };
+    let found = lookup(zones, &question);
+    Some(response(q, question.end, &found, edns.is_some(), max_len))
+}
+
+/// The query's question (an uncompressed name, lower-cased).
+struct Question {
+    name: String,
+    qtype: u16,
+    qclass: u16,
+    /// Where the question ends in the query.
+    end: usize,
+}
+
+/// The question of `q`; None when it is malformed.
+fn read_question(q: &[u8]) -> Option<Question> {
     let mut i = 12;
     let mut name = String::with_capacity(64);
     loop {
-        let Some(&l) = q.get(i) else {
-            return Some(header_only(q, RCODE_FORMERR));
-        };
-        let l = l as usize;
+        let l = *q.get(i)? as usize;
         if l == 0 {
             i += 1;
             break;
         }
         if l & 0xC0 != 0 || i + 1 + l > q.len() || name.len() + l + 1 > 255 {
-            return Some(header_only(q, RCODE_FORMERR));
+            return None;
         }
         if !name.is_empty() {
             name.push('.');
@@ -169,12 +189,17 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
         }
         i += 1 + l;
     }
-    let (Some(qtype), Some(qclass)) = (be16(q, i), be16(q, i + 2)) else {
-        return Some(header_only(q, RCODE_FORMERR));
-    };
-    let qend = i + 4;
+    Some(Question {
+        name,
+        qtype: be16(q, i)?,
+        qclass: be16(q, i + 2)?,
+        end: i + 4,
+    })
+}
 
-    // EDNS: look for an OPT record among the remaining records.
+/// The UDP payload size of an OPT record among the records after the question
+/// (`Some(None)`: no EDNS); None when the header's counts cannot be read.
+fn edns_size(q: &[u8], qend: usize) -> Option<Option<u16>> {
     let mut edns: Option<u16> = None;
     let others = be16(q, 6)? as usize + be16(q, 8)? as usize + be16(q, 10)? as usize;
     let mut j = qend;
@@ -188,45 +213,68 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
         }
         j = k + 10 + rdlen as usize;
     }
-    let max_len = if udp {
-        edns.map(|s| s.min(EDNS_SIZE)).unwrap_or(512) as usize
-    } else {
-        65535
+    Some(edns)
+}
+
+/// What the zones say to a question.
+struct Found<'a> {
+    rcode: u8,
+    /// Authoritative (the name is in one of our zones).
+    aa: bool,
+    ttl: u32,
+    v4: &'a [Ipv4Addr],
+    v6: &'a [Ipv6Addr],
+}
+
+fn lookup<'a>(zones: &'a Zones, question: &Question) -> Found<'a> {
+    let refused = Found {
+        rcode: RCODE_REFUSED,
+        aa: false,
+        ttl: 0,
+        v4: &[],
+        v6: &[],
     };
+    if question.qclass != C_IN && question.qclass != T_ANY {
+        return refused;
+    }
+    let qtype = question.qtype;
+    match zones.find(&question.name) {
+        None => refused,
+        Some((_, false)) => Found {
+            rcode: RCODE_NXDOMAIN,
+            aa: true,
+            ..refused
+        },
+        Some((z, true)) => Found {
+            rcode: 0,
+            aa: true,
+            ttl: z.ttl,
+            v4: if qtype == T_A || qtype == T_ANY {
+                &z.v4
+            } else {
+                &[]
+            },
+            v6: if qtype == T_AAAA || qtype == T_ANY {
+                &z.v6
+            } else {
+                &[]
+            },
+        },
+    }
+}
 
-    let (rcode, aa, ttl, v4, v6): (u8, bool, u32, &[Ipv4Addr], &[Ipv6Addr]) =
-        if qclass != C_IN && qclass != T_ANY {
-            (RCODE_REFUSED, false, 0, &[], &[])
-        } else {
-            match zones.find(&name) {
-                None => (RCODE_REFUSED, false, 0, &[], &[]),
-                Some((_, false)) => (RCODE_NXDOMAIN, true, 0, &[], &[]),
-                Some((z, true)) => {
-                    let v4: &[Ipv4Addr] = if qtype == T_A || qtype == T_ANY {
-                        &z.v4
-                    } else {
-                        &[]
-                    };
-                    let v6: &[Ipv6Addr] = if qtype == T_AAAA || qtype == T_ANY {
-                        &z.v6
-                    } else {
-                        &[]
-                    };
-                    (0, true, z.ttl, v4, v6)
-                }
-            }
-        };
-
-    let opt_len = if edns.is_some() { 11 } else { 0 };
-    let mut r = Vec::with_capacity(qend + 16 * (v4.len()) + 28 * v6.len() + opt_len);
+/// The response to `q` (question up to `qend`): every address that fits in
+/// `max_len` (TC set when some do not), and an OPT record when the query had one.
+fn response(q: &[u8], qend: usize, f: &Found<'_>, edns: bool, max_len: usize) -> Vec<u8> {
+    let opt_len = if edns { 11 } else { 0 };
+    let mut r = Vec::with_capacity(qend + 16 * (f.v4.len()) + 28 * f.v6.len() + opt_len);
     r.extend_from_slice(&q[0..2]);
-    r.push(0x80 | (q[2] & 0x79) | if aa { 0x04 } else { 0 });
-    r.push(rcode);
+    r.push(0x80 | (q[2] & 0x79) | if f.aa { 0x04 } else { 0 });
+    r.push(f.rcode);
     r.extend_from_slice(&1u16.to_be_bytes());
     r.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // counts filled below
     r.extend_from_slice(&q[12..qend]);
     let mut ancount: u16 = 0;
-    let mut truncated = false;
     let push_rr = |r: &mut Vec<u8>, rtype: u16, data: &[u8]| -> bool {
         if r.len() + 12 + data.len() + opt_len > max_len {
             return false;
@@ -234,12 +282,13 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
         r.extend_from_slice(&[0xC0, 0x0C]);
         r.extend_from_slice(&rtype.to_be_bytes());
         r.extend_from_slice(&C_IN.to_be_bytes());
-        r.extend_from_slice(&ttl.to_be_bytes());
+        r.extend_from_slice(&f.ttl.to_be_bytes());
         r.extend_from_slice(&(data.len() as u16).to_be_bytes());
         r.extend_from_slice(data);
         true
     };
-    for a in v4 {
+    let mut truncated = false;
+    for a in f.v4 {
         if !push_rr(&mut r, T_A, &a.octets()) {
             truncated = true;
             break;
@@ -247,7 +296,7 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
         ancount += 1;
     }
     if !truncated {
-        for a in v6 {
+        for a in f.v6 {
             if !push_rr(&mut r, T_AAAA, &a.octets()) {
                 truncated = true;
                 break;
@@ -259,14 +308,14 @@ pub fn answer(q: &[u8], zones: &Zones, udp: bool) -> Option<Vec<u8>> {
         r[2] |= 0x02;
     }
     r[6..8].copy_from_slice(&ancount.to_be_bytes());
-    if edns.is_some() {
+    if edns {
         r[10..12].copy_from_slice(&1u16.to_be_bytes());
         r.push(0); // root
         r.extend_from_slice(&T_OPT.to_be_bytes());
         r.extend_from_slice(&EDNS_SIZE.to_be_bytes());
         r.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // ext rcode, version, flags, rdlen
     }
-    Some(r)
+    r
 }
 
 type Shared = Arc<RwLock<Arc<Zones>>>;

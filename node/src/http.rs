@@ -231,29 +231,26 @@ struct CachedState {
     state: Arc<VsState>,
 }
 
-async fn proxy(
-    req: Request<Incoming>,
-    vs: Arc<Vserver>,
-    st: Arc<VsState>,
-    xff: HeaderValue,
-    client: IpAddr,
-) -> Response<RespBody> {
-    // COOKIE: the service the request's cookie keeps it on, when it may take it.
-    let sticky = match st.persistence {
+/// COOKIE: the service the request's cookie keeps it on, when it may take it.
+fn cookie_service(st: &VsState, req: &Request<Incoming>) -> Option<usize> {
+    match st.persistence {
         Persistence::Cookie => find_cookie(req.headers(), &st.cookie_name)
             .and_then(|t| st.service_of_token(t))
             .and_then(|i| st.pick_persistent(i)),
         _ => None,
-    };
-    let Some(mut idx) = sticky.or_else(|| vs.pick_for(&st, client, None)) else {
-        return simple(
-            &vs,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no service available\n",
-        );
-    };
+    }
+}
+
+/// The client's request as it goes to a service: hop-by-hop headers removed,
+/// `X-Forwarded-For` naming the client, origin form, HTTP/1.1. Returns it with
+/// its size (head estimate and announced body), which the node's throughput
+/// counts for the head now (the body as it passes).
+fn upstream_request(
+    req: Request<Incoming>,
+    vs: &Vserver,
+    xff: HeaderValue,
+) -> (Request<UpBody>, u64) {
     let (mut parts, body) = req.into_parts();
-    // Throughput counts the request and response heads (estimated) as well as bodies.
     let req_head = head_len(&parts.headers) + parts.uri.path().len() + 16;
     vs.traffic.add_bytes(req_head);
     let req_bytes = req_head as u64
@@ -273,7 +270,59 @@ async fn proxy(
         }
     }
     parts.version = Version::HTTP_11;
-    let mut req = Request::from_parts(parts, UpBody::new(body, vs.traffic.clone()));
+    let req = Request::from_parts(parts, UpBody::new(body, vs.traffic.clone()));
+    (req, req_bytes)
+}
+
+/// The service's response as it goes to the client: hop-by-hop headers
+/// removed, the node and service named, a persistence cookie when the request
+/// was balanced anew; `guard` (its `resp_bytes` still 0) tracks it until its
+/// body ends.
+fn client_response(
+    resp: Response<Incoming>,
+    st: &VsState,
+    idx: usize,
+    new_cookie: bool,
+    mut guard: RespGuard,
+) -> Response<RespBody> {
+    let (mut parts, body) = resp.into_parts();
+    let resp_head = head_len(&parts.headers) + 17;
+    guard.vs.traffic.add_bytes(resp_head);
+    guard.resp_bytes = resp_head as u64;
+    strip_hop(&mut parts.headers);
+    parts
+        .headers
+        .insert(X_LBSCALE_NODE.clone(), guard.vs.node_hv.clone());
+    parts
+        .headers
+        .insert(X_LBSCALE_SERVICE.clone(), guard.rt.name_hv.clone());
+    if new_cookie && st.persistence == Persistence::Cookie {
+        if let Some(c) = st.set_cookie(idx) {
+            parts.headers.append(header::SET_COOKIE, c.clone());
+        }
+    }
+    Response::from_parts(parts, RespBody::Proxied { body, guard })
+}
+
+/// Proxies one request: the service its cookie keeps it on, else the LB
+/// method's (SOURCEIP included); one other service is tried when the first
+/// cannot be connected to.
+async fn proxy(
+    req: Request<Incoming>,
+    vs: Arc<Vserver>,
+    st: Arc<VsState>,
+    xff: HeaderValue,
+    client: IpAddr,
+) -> Response<RespBody> {
+    let sticky = cookie_service(&st, &req);
+    let Some(mut idx) = sticky.or_else(|| vs.pick_for(&st, client, None)) else {
+        return simple(
+            &vs,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no service available\n",
+        );
+    };
+    let (mut req, req_bytes) = upstream_request(req, &vs, xff);
     let mut retried = false;
     loop {
         let rt = st.services[idx].rt.clone();
@@ -281,21 +330,6 @@ async fn proxy(
         let start = Instant::now();
         match send(&rt, &vs, req).await {
             Ok((resp, sender)) => {
-                let (mut parts, body) = resp.into_parts();
-                let resp_head = head_len(&parts.headers) + 17;
-                vs.traffic.add_bytes(resp_head);
-                strip_hop(&mut parts.headers);
-                parts
-                    .headers
-                    .insert(X_LBSCALE_NODE.clone(), vs.node_hv.clone());
-                parts
-                    .headers
-                    .insert(X_LBSCALE_SERVICE.clone(), rt.name_hv.clone());
-                if st.persistence == Persistence::Cookie && sticky != Some(idx) {
-                    if let Some(c) = st.set_cookie(idx) {
-                        parts.headers.append(header::SET_COOKIE, c.clone());
-                    }
-                }
                 let guard = RespGuard {
                     rt,
                     sender: Some(sender),
@@ -303,9 +337,9 @@ async fn proxy(
                     start,
                     done: false,
                     req_bytes,
-                    resp_bytes: resp_head as u64,
+                    resp_bytes: 0,
                 };
-                return Response::from_parts(parts, RespBody::Proxied { body, guard });
+                return client_response(resp, &st, idx, sticky != Some(idx), guard);
             }
             Err(SendErr::Connect(r)) => {
                 rt.active.fetch_sub(1, Ordering::Relaxed);

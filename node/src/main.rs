@@ -217,24 +217,9 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn standalone(a: Args) -> anyhow::Result<()> {
-    use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, Vserver};
-    let listen: SocketAddr = a
-        .get("listen")?
-        .parse()
-        .context("--listen must be IP:PORT")?;
-    let mode = match a.get("mode")?.to_ascii_lowercase().as_str() {
-        "http" => ServiceType::Http,
-        "tcp" => ServiceType::Tcp,
-        "udp" => ServiceType::Udp,
-        m => bail!("--mode must be http, tcp or udp, not {m:?}"),
-    };
-    let method = a
-        .get("lb-method")
-        .unwrap_or("ROUNDROBIN")
-        .to_ascii_uppercase();
-    let method =
-        LbMethod::from_str_name(&method).ok_or_else(|| anyhow!("unknown --lb-method {method}"))?;
+/// `standalone`'s `--service HOST:PORT[,WEIGHT]` options.
+fn standalone_services(a: &Args) -> anyhow::Result<Vec<lbscale_proto::Service>> {
+    use lbscale_proto::Service;
     let mut services = Vec::new();
     for s in a.all("service") {
         let (hp, weight) = match s.split_once(',') {
@@ -268,6 +253,28 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
     if services.is_empty() {
         bail!("at least one --service HOST:PORT is needed");
     }
+    Ok(services)
+}
+
+async fn standalone(a: Args) -> anyhow::Result<()> {
+    use lbscale_proto::{LbMethod, NodeConfig, ServiceType, Vserver};
+    let listen: SocketAddr = a
+        .get("listen")?
+        .parse()
+        .context("--listen must be IP:PORT")?;
+    let mode = match a.get("mode")?.to_ascii_lowercase().as_str() {
+        "http" => ServiceType::Http,
+        "tcp" => ServiceType::Tcp,
+        "udp" => ServiceType::Udp,
+        m => bail!("--mode must be http, tcp or udp, not {m:?}"),
+    };
+    let method = a
+        .get("lb-method")
+        .unwrap_or("ROUNDROBIN")
+        .to_ascii_uppercase();
+    let method =
+        LbMethod::from_str_name(&method).ok_or_else(|| anyhow!("unknown --lb-method {method}"))?;
+    let services = standalone_services(&a)?;
     let stop = shutdown_signal();
     let node = node::Node::new("standalone".into(), listen.ip(), 0, node_opts(&a)?);
     start_custom_loads(&a, &node);
@@ -295,26 +302,9 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let argv: Vec<String> = std::env::args().collect();
-    let Some(cmd) = argv.get(1).map(|s| s.as_str()) else {
-        eprint!("{USAGE}");
-        std::process::exit(2);
-    };
-    if matches!(cmd, "-h" | "--help" | "help") {
-        print!("{USAGE}");
-        return;
-    }
-    let rest = &argv[2..];
-    let parsed = match cmd {
+/// The options of command `cmd`.
+fn parse_args(cmd: &str, rest: &[String]) -> anyhow::Result<Args> {
+    match cmd {
         "serve" => Args::parse(
             rest,
             &[
@@ -340,7 +330,58 @@ fn main() {
             .concat(),
         ),
         _ => Err(anyhow!("unknown command {cmd:?}")),
+    }
+}
+
+/// Runs command `cmd` until it ends or a signal stops it.
+async fn run(cmd: String, a: Args) -> anyhow::Result<()> {
+    let stop = shutdown_signal();
+    match cmd.as_str() {
+        "serve" => serve(a).await,
+        "standalone" => standalone(a).await,
+        "dns" => {
+            let listen: SocketAddr = a
+                .get("listen")?
+                .parse()
+                .context("--listen must be IP:PORT")?;
+            let config = PathBuf::from(a.get("config")?);
+            let status = PathBuf::from(a.get("status")?);
+            tokio::select! {
+                r = dns::run(listen, config, status) => r,
+                _ = stop => Ok(()),
+            }
+        }
+        "nlb" => {
+            let config = PathBuf::from(a.get("config")?);
+            let status = PathBuf::from(a.get("status")?);
+            tokio::select! {
+                _ = nlb::run(config, status) => Ok(()),
+                _ = stop => Ok(()),
+            }
+        }
+        _ => unreachable!("checked above"),
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let argv: Vec<String> = std::env::args().collect();
+    let Some(cmd) = argv.get(1).map(|s| s.as_str()) else {
+        eprint!("{USAGE}");
+        std::process::exit(2);
     };
+    if matches!(cmd, "-h" | "--help" | "help") {
+        print!("{USAGE}");
+        return;
+    }
+    let parsed = parse_args(cmd, &argv[2..]);
     let a = match parsed {
         Ok(a) => a,
         Err(e) => {
@@ -359,35 +400,7 @@ fn main() {
         tokio::runtime::Builder::new_multi_thread()
     };
     let rt = builder.enable_all().build().expect("tokio runtime");
-    let cmd = cmd.to_string();
-    let r: anyhow::Result<()> = rt.block_on(async move {
-        let stop = shutdown_signal();
-        match cmd.as_str() {
-            "serve" => serve(a).await,
-            "standalone" => standalone(a).await,
-            "dns" => {
-                let listen: SocketAddr = a
-                    .get("listen")?
-                    .parse()
-                    .context("--listen must be IP:PORT")?;
-                let config = PathBuf::from(a.get("config")?);
-                let status = PathBuf::from(a.get("status")?);
-                tokio::select! {
-                    r = dns::run(listen, config, status) => r,
-                    _ = stop => Ok(()),
-                }
-            }
-            "nlb" => {
-                let config = PathBuf::from(a.get("config")?);
-                let status = PathBuf::from(a.get("status")?);
-                tokio::select! {
-                    _ = nlb::run(config, status) => Ok(()),
-                    _ = stop => Ok(()),
-                }
-            }
-            _ => unreachable!("checked above"),
-        }
-    });
+    let r = rt.block_on(run(cmd.to_string(), a));
     match r {
         Ok(()) => std::process::exit(0),
         Err(e) => {

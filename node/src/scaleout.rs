@@ -202,6 +202,87 @@ struct Inner {
     leaving: Vec<Arc<Peer>>,
 }
 
+impl Inner {
+    /// The running smooth round-robin score of each choice, by address (the
+    /// primary itself: "").
+    fn scores_by_address(&self) -> HashMap<String, f64> {
+        let Some(s) = &self.smooth else {
+            return HashMap::new();
+        };
+        self.listed
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.address.clone(), s.scores[i + 1]))
+            .chain(std::iter::once((String::new(), s.scores[0])))
+            .collect()
+    }
+
+    /// The secondaries `c` lists, in order (the known ones kept, a leaving one
+    /// back), and the weights of the primary and each of them.
+    fn list(
+        &self,
+        vserver: &str,
+        port: u16,
+        c: &lbscale_proto::Scaleout,
+    ) -> (Vec<Arc<Peer>>, Vec<f64>) {
+        let mut listed = Vec::new();
+        let mut weights = vec![c.primary_share];
+        for sp in &c.secondaries {
+            let known = self
+                .listed
+                .iter()
+                .chain(self.leaving.iter())
+                .find(|p| p.address == sp.address)
+                .cloned();
+            let peer = match known {
+                Some(p) => {
+                    if p.leaving.swap(false, Ordering::SeqCst) {
+                        p.leave_gen.fetch_add(1, Ordering::SeqCst);
+                        tracing::info!(vserver, secondary = %p.address, "secondary back before its scale-in timeout");
+                    }
+                    p
+                }
+                None => {
+                    tracing::info!(vserver, secondary = %sp.address, share = sp.share, "secondary added");
+                    Arc::new(Peer::new(&sp.address, port))
+                }
+            };
+            listed.push(peer);
+            weights.push(sp.share);
+        }
+        (listed, weights)
+    }
+}
+
+/// A secondary dropped from the list: no new connections; its forwarded ones
+/// close after `timeout` unless it comes back (or leaves again) before.
+fn start_scale_in(p: &Arc<Peer>, vserver: &str, timeout: Duration) {
+    p.leaving.store(true, Ordering::SeqCst);
+    let gen = p.leave_gen.fetch_add(1, Ordering::SeqCst) + 1;
+    tracing::info!(
+        vserver,
+        secondary = %p.address,
+        connections = p.active.load(Ordering::Relaxed),
+        timeout_ms = timeout.as_millis() as u64,
+        "secondary leaving: no new connections; open ones close after the scale-in timeout"
+    );
+    let vserver = vserver.to_string();
+    let peer = p.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(timeout).await;
+        if peer.leave_gen.load(Ordering::SeqCst) != gen {
+            return; // came back, or left again with a newer timer
+        }
+        let left = peer.active.load(Ordering::Relaxed);
+        if left > 0 {
+            tracing::info!(vserver, secondary = %peer.address, connections = left, "scale-in timeout: closing forwarded connections");
+        }
+        let mut k = peer.kill.lock().unwrap_or_else(|e| e.into_inner());
+        k.cancel();
+        *k = CancellationToken::new();
+    });
+}
+
 /// The scale-out state of one vserver on this node; lives as long as its listener.
 pub struct Scaleout {
     served: AtomicU64,
@@ -270,44 +351,11 @@ impl Scaleout {
             ms => Duration::from_millis(ms),
         };
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let old_scores: HashMap<String, f64> = match &inner.smooth {
-            Some(s) => inner
-                .listed
-                .iter()
-                .enumerate()
-                .map(|(i, p)| (p.address.clone(), s.scores[i + 1]))
-                .chain(std::iter::once((String::new(), s.scores[0])))
-                .collect(),
-            None => HashMap::new(),
+        let old_scores = inner.scores_by_address();
+        let (listed, weights) = match primary {
+            Some(c) => inner.list(vserver, port, c),
+            None => (Vec::new(), Vec::new()),
         };
-        let mut listed = Vec::new();
-        let mut weights = Vec::new();
-        if let Some(c) = primary {
-            weights.push(c.primary_share);
-            for sp in &c.secondaries {
-                let known = inner
-                    .listed
-                    .iter()
-                    .chain(inner.leaving.iter())
-                    .find(|p| p.address == sp.address)
-                    .cloned();
-                let peer = match known {
-                    Some(p) => {
-                        if p.leaving.swap(false, Ordering::SeqCst) {
-                            p.leave_gen.fetch_add(1, Ordering::SeqCst);
-                            tracing::info!(vserver, secondary = %p.address, "secondary back before its scale-in timeout");
-                        }
-                        p
-                    }
-                    None => {
-                        tracing::info!(vserver, secondary = %sp.address, share = sp.share, "secondary added");
-                        Arc::new(Peer::new(&sp.address, port))
-                    }
-                };
-                listed.push(peer);
-                weights.push(sp.share);
-            }
-        }
         let dropped: Vec<Arc<Peer>> = inner
             .listed
             .iter()
@@ -318,30 +366,7 @@ impl Scaleout {
             p.leaving.load(Ordering::SeqCst) && !listed.iter().any(|q| Arc::ptr_eq(p, q))
         });
         for p in dropped {
-            p.leaving.store(true, Ordering::SeqCst);
-            let gen = p.leave_gen.fetch_add(1, Ordering::SeqCst) + 1;
-            tracing::info!(
-                vserver,
-                secondary = %p.address,
-                connections = p.active.load(Ordering::Relaxed),
-                timeout_ms = timeout.as_millis() as u64,
-                "secondary leaving: no new connections; open ones close after the scale-in timeout"
-            );
-            let vserver = vserver.to_string();
-            let peer = p.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(timeout).await;
-                if peer.leave_gen.load(Ordering::SeqCst) != gen {
-                    return; // came back, or left again with a newer timer
-                }
-                let left = peer.active.load(Ordering::Relaxed);
-                if left > 0 {
-                    tracing::info!(vserver, secondary = %peer.address, connections = left, "scale-in timeout: closing forwarded connections");
-                }
-                let mut k = peer.kill.lock().unwrap_or_else(|e| e.into_inner());
-                k.cancel();
-                *k = CancellationToken::new();
-            });
+            start_scale_in(&p, vserver, timeout);
             inner.leaving.push(p);
         }
         // Keep the running scores of choices that stay, so that re-sending the same

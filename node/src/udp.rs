@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::UdpSocket;
+use tokio_util::sync::CancellationToken;
 
 use crate::model::Vserver;
 use crate::persist::Persistence;
@@ -63,6 +64,8 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>, ip: IpAddr) {
     }
 }
 
+/// Opens the flow of a new client: forwarded to a scale-out secondary when the
+/// plan says so, else served here.
 async fn open_flow(
     sock: &Arc<UdpSocket>,
     vs: &Arc<Vserver>,
@@ -80,9 +83,19 @@ async fn open_flow(
         },
         Route::Local => None,
     };
-    if let Some((peer, target)) = forward {
-        return open_forwarded_flow(sock, vs, ip, client, peer, target).await;
+    match forward {
+        Some((peer, target)) => open_forwarded_flow(sock, vs, ip, client, peer, target).await,
+        None => open_served_flow(sock, vs, ip, client).await,
     }
+}
+
+/// A flow served here: to the service the LB method (or SOURCEIP) picks.
+async fn open_served_flow(
+    sock: &Arc<UdpSocket>,
+    vs: &Arc<Vserver>,
+    ip: IpAddr,
+    client: SocketAddr,
+) -> Option<Arc<Flow>> {
     let st = vs.state();
     let idx = vs.pick_for(&st, client.ip(), None)?;
     let rt = st.services[idx].rt.clone();
@@ -100,29 +113,16 @@ async fn open_flow(
         dead: AtomicBool::new(false),
         rt: Some(rt.clone()),
     });
-    let f2 = flow.clone();
-    let sock = sock.clone();
-    let vs = vs.clone();
     rt.active.fetch_add(1, Ordering::Relaxed);
-    let rkill = rt.kill_token();
+    let replies = relay_replies(
+        flow.clone(),
+        sock.clone(),
+        client,
+        vs.clone(),
+        rt.kill_token(),
+    );
     tokio::spawn(async move {
-        let _g = vs.traffic.connection();
-        let mut buf = vec![0u8; 65536];
-        loop {
-            tokio::select! {
-                _ = rkill.cancelled() => break,
-                _ = vs.kill.cancelled() => break,
-                r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
-                    Ok(Ok(n)) => {
-                        vs.traffic.add_bytes(n);
-                        rt.record_traffic(n as u64, 1);
-                        let _ = sock.send_to(&buf[..n], client).await;
-                    }
-                    Ok(Err(_)) | Err(_) => break,
-                },
-            }
-        }
-        f2.dead.store(true, Ordering::Relaxed);
+        replies.await;
         rt.active.fetch_sub(1, Ordering::Relaxed);
     });
     Some(flow)
@@ -158,29 +158,48 @@ async fn open_forwarded_flow(
         dead: AtomicBool::new(false),
         rt: None,
     });
-    let f2 = flow.clone();
-    let sock = sock.clone();
-    let vs = vs.clone();
-    let kill = peer.kill_token();
     let active = peer.track();
+    let replies = relay_replies(
+        flow.clone(),
+        sock.clone(),
+        client,
+        vs.clone(),
+        peer.kill_token(),
+    );
     tokio::spawn(async move {
-        let _g = vs.traffic.connection();
         let _active = active;
-        let mut buf = vec![0u8; 65536];
-        loop {
-            tokio::select! {
-                _ = kill.cancelled() => break,
-                _ = vs.kill.cancelled() => break,
-                r = tokio::time::timeout(FLOW_IDLE, f2.up.recv(&mut buf)) => match r {
-                    Ok(Ok(n)) => {
-                        vs.traffic.add_bytes(n);
-                        let _ = sock.send_to(&buf[..n], client).await;
-                    }
-                    Ok(Err(_)) | Err(_) => break,
-                },
-            }
-        }
-        f2.dead.store(true, Ordering::Relaxed);
+        replies.await;
     });
     Some(flow)
+}
+
+/// Relays the flow's replies to its client until none comes for [`FLOW_IDLE`],
+/// `kill` (the service's drain or the secondary's scale-in timed out) or the
+/// end of the node's drain; then the flow is dead.
+async fn relay_replies(
+    flow: Arc<Flow>,
+    sock: Arc<UdpSocket>,
+    client: SocketAddr,
+    vs: Arc<Vserver>,
+    kill: CancellationToken,
+) {
+    let _g = vs.traffic.connection();
+    let mut buf = vec![0u8; 65536];
+    loop {
+        tokio::select! {
+            _ = kill.cancelled() => break,
+            _ = vs.kill.cancelled() => break,
+            r = tokio::time::timeout(FLOW_IDLE, flow.up.recv(&mut buf)) => match r {
+                Ok(Ok(n)) => {
+                    vs.traffic.add_bytes(n);
+                    if let Some(rt) = &flow.rt {
+                        rt.record_traffic(n as u64, 1);
+                    }
+                    let _ = sock.send_to(&buf[..n], client).await;
+                }
+                Ok(Err(_)) | Err(_) => break,
+            },
+        }
+    }
+    flow.dead.store(true, Ordering::Relaxed);
 }

@@ -48,23 +48,26 @@ fn method_of(m: i32) -> Method {
     }
 }
 
-fn invalid(v: &lbscale_proto::Vserver, what: String) -> Status {
-    Status::invalid_argument(format!("vserver {}: {what}", v.name))
+// The checks return the message of an invalid-argument error: the
+// configuration is refused whole, naming the field and what is allowed.
+
+fn invalid(v: &lbscale_proto::Vserver, what: String) -> String {
+    format!("vserver {}: {what}", v.name)
 }
 
 /// The group's other nodes, whose connections carry a PROXY header.
-fn group_peers(cfg: &NodeConfig) -> Result<Arc<HashSet<IpAddr>>, Status> {
+fn group_peers(cfg: &NodeConfig) -> Result<Arc<HashSet<IpAddr>>, String> {
     let mut peers = HashSet::new();
     for p in &cfg.group_peers {
-        let ip: IpAddr = p.parse().map_err(|_| {
-            Status::invalid_argument(format!("group_peers: must be IP addresses, got {p:?}"))
-        })?;
+        let ip: IpAddr = p
+            .parse()
+            .map_err(|_| format!("group_peers: must be IP addresses, got {p:?}"))?;
         peers.insert(ip);
     }
     Ok(Arc::new(peers))
 }
 
-fn validate_services(v: &lbscale_proto::Vserver) -> Result<(), Status> {
+fn validate_services(v: &lbscale_proto::Vserver) -> Result<(), String> {
     for s in &v.services {
         if s.port == 0 || s.port > 65535 || s.address.is_empty() {
             return Err(invalid(
@@ -92,7 +95,7 @@ fn validate_services(v: &lbscale_proto::Vserver) -> Result<(), Status> {
 }
 
 /// Checks one vserver; returns its type. `own` is this node's address.
-fn validate_vserver(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<Kind, Status> {
+fn validate_vserver(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<Kind, String> {
     let kind = kind_of(v.service_type)
         .ok_or_else(|| invalid(v, "service_type must be HTTP, TCP or UDP".into()))?;
     if v.port == 0 || v.port > 65535 {
@@ -111,7 +114,7 @@ fn validate_vserver(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<K
             ));
         }
     }
-    crate::scaleout::validate(v, own).map_err(Status::invalid_argument)?;
+    crate::scaleout::validate(v, own)?;
     let p = persist::parse(&v.persistence).map_err(|e| invalid(v, e))?;
     if p == Persistence::Cookie && kind != Kind::Http {
         // Refused at plan time; a configuration stored before that rule
@@ -123,7 +126,7 @@ fn validate_vserver(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<K
 
 /// The configuration's vservers, checked, with their listeners' keys (two
 /// vservers may not share a port and transport).
-fn validate(cfg: &NodeConfig, own: Option<IpAddr>) -> Result<Vec<Desired<'_>>, Status> {
+fn validate(cfg: &NodeConfig, own: Option<IpAddr>) -> Result<Vec<Desired<'_>>, String> {
     let mut desired: Vec<Desired<'_>> = Vec::new();
     for v in &cfg.vservers {
         let kind = validate_vserver(v, own)?;
@@ -134,10 +137,10 @@ fn validate(cfg: &NodeConfig, own: Option<IpAddr>) -> Result<Vec<Desired<'_>>, S
         };
         let key = (v.port as u16, t);
         if let Some((_, _, other)) = desired.iter().find(|(k, _, _)| *k == key) {
-            return Err(Status::invalid_argument(format!(
+            return Err(format!(
                 "vservers {} and {} both use port {}",
                 other.name, v.name, v.port
-            )));
+            ));
         }
         desired.push((key, kind, v));
     }
@@ -147,8 +150,9 @@ fn validate(cfg: &NodeConfig, own: Option<IpAddr>) -> Result<Vec<Desired<'_>>, S
 impl Node {
     /// Applies a full configuration. On error nothing changes.
     pub async fn configure(&self, cfg: NodeConfig) -> Result<u64, Status> {
-        let peers = group_peers(&cfg)?;
-        let desired = validate(&cfg, self.common.dialer.source())?;
+        let peers = group_peers(&cfg).map_err(Status::invalid_argument)?;
+        let desired =
+            validate(&cfg, self.common.dialer.source()).map_err(Status::invalid_argument)?;
         let mut inner = self.inner.lock().await;
         if self.draining.load(Ordering::Relaxed) {
             // A draining node takes no new connections: record the version only.
