@@ -276,16 +276,32 @@ impl Findings {
                 ));
             }
         }
-        let clamp = |v: i64| v.clamp(0, u32::MAX as i64) as u32;
         let (min, max) = match (min_nodes, max_nodes) {
-            (Some(min), Some(max)) => (clamp(min), clamp(max)),
+            (Some(min), Some(max)) => (min, max),
             // Only one is known yet: check it against itself.
-            (Some(min), None) => (clamp(min), clamp(min).max(1)),
-            (None, Some(max)) => (1, clamp(max)),
+            (Some(min), None) => (min, min.max(1)),
+            (None, Some(max)) => (1, max),
             (None, None) => return,
         };
-        if let Err(e) = policy::validate_node_bounds(min, max, None) {
-            self.0.push(from_core(&e));
+        match (u32::try_from(min), u32::try_from(max)) {
+            (Ok(min), Ok(max)) => {
+                if let Err(e) = policy::validate_node_bounds(min, max, None) {
+                    self.0.push(from_core(&e));
+                }
+            }
+            // Core's rule takes u32s: a value outside them (a negative one) is
+            // refused here in the same words, with the value as written.
+            _ if min < 1 => self.0.push(Finding::error(
+                vec![PathStep::Attr("min_nodes")],
+                "Invalid min_nodes",
+                format!("min_nodes: must be at least 1, got {min}."),
+            )),
+            _ if max < min => self.0.push(Finding::error(
+                vec![PathStep::Attr("max_nodes")],
+                "Invalid max_nodes",
+                format!("max_nodes: must be at least min_nodes ({min}), got {max}."),
+            )),
+            _ => {}
         }
     }
 
@@ -476,6 +492,40 @@ mod tests {
                 "threshold[3].metric: must be one of cpu, memory, throughput, got \"disk\""
             )));
         assert_eq!(f.0.len(), 3);
+    }
+
+    #[test]
+    fn node_bounds_show_the_values_as_written() {
+        let detail = |min, max| {
+            let mut f = Findings::default();
+            f.node_bounds(min, max);
+            f.0.iter().map(|x| x.detail.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            detail(Some(-1), Some(4)),
+            ["min_nodes: must be at least 1, got -1."]
+        );
+        assert_eq!(
+            detail(Some(0), Some(4)),
+            ["min_nodes: must be at least 1, got 0."]
+        );
+        assert_eq!(
+            detail(Some(-3), None),
+            ["min_nodes: must be at least 1, got -3."]
+        );
+        assert_eq!(
+            detail(Some(2), Some(-1)),
+            ["max_nodes: must be at least min_nodes (2), got -1."]
+        );
+        assert_eq!(
+            detail(Some(5_000_000_000), Some(4)),
+            ["max_nodes: must be at least min_nodes (5000000000), got 4."]
+        );
+        assert_eq!(
+            detail(Some(1), Some(5_000_000_000)),
+            ["max_nodes: must be at most 64, got 5000000000."]
+        );
+        assert!(detail(Some(1), Some(4)).is_empty());
     }
 
     #[test]

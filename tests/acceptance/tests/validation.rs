@@ -102,6 +102,33 @@ resource "lbscale_autoscale_group" "g" {
   }
 }
 
+# Bounds are checked as written, not clamped first.
+resource "lbscale_autoscale_group" "negative_min" {
+  name                   = "negative-min"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = "td-x"
+  min_nodes              = -1 # negative min
+  threshold {
+    metric = "cpu"
+    min    = 1
+    max    = 2
+  }
+}
+
+resource "lbscale_autoscale_group" "negative_max" {
+  name                   = "negative-max"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = "td-x"
+  max_nodes              = -1 # negative max
+  threshold {
+    metric = "cpu"
+    min    = 1
+    max    = 2
+  }
+}
+
 resource "lbscale_se_group" "s" {
   name                    = "s"
   autoscale_group_id      = "asg-x"
@@ -132,6 +159,31 @@ resource "lbscale_vserver" "v" {
   }
 }
 
+# Every other number, negative: the message shows it as written.
+resource "lbscale_se_group" "negative" {
+  name                = "negative-se"
+  autoscale_group_id  = "asg-x"
+  min_scaleout_per_vs = -2 # negative scaleout
+  se_tunnel_mode      = -1 # negative tunnel
+}
+
+resource "lbscale_vserver" "negative" {
+  name         = "negative"
+  se_group_id  = "seg-x"
+  service_type = "TCP"
+  port         = -1 # negative port
+  service {
+    name    = "a"
+    address = "127.0.0.1"
+    port    = -8080 # negative service port
+    weight  = -3 # negative weight
+  }
+  slow_start {
+    new_service_request = -5 # negative request
+    increment_interval  = -10 # negative interval
+  }
+}
+
 resource "lbscale_vserver" "cookie" {
   name         = "cookie"
   se_group_id  = "seg-x"
@@ -153,6 +205,15 @@ resource "lbscale_vserver" "cookie" {
             ("# ttl", "ttl must be a duration such as \"30s\", \"2m\" or \"1h30m\""),
             ("resource \"lbscale_traffic_distributor\" \"nodomain\"", "domain is required with mode = \"dns\""),
             ("max_nodes              = 2", "max_nodes: must be at least min_nodes (5), got 2"),
+            ("# negative min", "min_nodes: must be at least 1, got -1."),
+            ("# negative max", "max_nodes: must be at least min_nodes (1), got -1."),
+            ("# negative scaleout", "min_scaleout_per_vs must be between 1 and 64, got -2."),
+            ("# negative tunnel", "se_tunnel_mode must be between 0 and 2, got -1."),
+            ("# negative port", "port must be between 1 and 65535, got -1."),
+            ("# negative service port", "service.port must be between 1 and 65535, got -8080."),
+            ("# negative weight", "service.weight must be between 1 and 100, got -3."),
+            ("# negative request", "slow_start.new_service_request must be 0 or more, got -5."),
+            ("# negative interval", "slow_start.increment_interval must be between 0 and 3600, got -10."),
             ("# watch_time", "watch_time: must be a positive multiple of stats_interval (60s), got 90s"),
             ("# memory min", "threshold[0].min: must be below max (80), got 90"),
             ("# duplicate", "threshold[2].metric: must name a metric that no other threshold block sets (cpu is set by"),
