@@ -13,7 +13,54 @@ use lbscale_engine::store::{state_url_from_env, STATE_URL_ENV};
 
 use crate::output::CliError;
 
-const FLAGS: &str = "--state, --listen, --address-prefix, --node-binary, --dns-port, --node-api-port, --log-format, --shutdown-grace";
+const FLAGS: &str = "--state, --listen, --address-prefix, --node-binary, --dns-port, --node-api-port, --log-format, --shutdown-grace, --help";
+
+/// `lbscale daemon --help`. docs/daemon.md documents the same flags and
+/// variables (cli/tests/daemon_reference.rs compares the two): an entry starts
+/// two spaces in, its continuation lines further.
+const HELP: &str = "usage: lbscale daemon [--state URL] [--listen IP:PORT] [flags]
+
+Scales every autoscale group of the store between Terraform applies, and serves
+/healthz, /metrics, /v1/groups and /v1/events. Runs until SIGTERM or SIGINT,
+then waits for the evaluations in flight (--shutdown-grace) and exits 0.
+Exit status 2: a bad flag or store URL; 1: the store or the listener cannot be
+opened. Reference: docs/daemon.md.
+
+flags (--flag VALUE or --flag=VALUE):
+  --state URL                the store: sqlite://PATH (relative to the current
+                             directory) or postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE[?PARAMS];
+                             default: LBSCALE_STATE (one of the two is required)
+  --listen IP:PORT           address of the HTTP API; default 127.0.0.1:9464
+  --address-prefix PREFIX    local cloud: loopback prefix of node addresses, as the
+                             provider's local.address_prefix; default 127.0.
+  --node-binary PATH         local cloud: the lbscale-node binary; default: the one
+                             next to lbscale, else on PATH
+  --dns-port PORT            local cloud: port of the dns distributors' servers, as
+                             the provider's local.dns_port; default 10053
+  --node-api-port PORT       local cloud: port of the nodes' management API, as the
+                             provider's local.node_api_port; default 9990
+  --log-format text|json     log lines on standard error; default text
+  --shutdown-grace DURATION  how long a stop waits for evaluations and workflows in
+                             flight before abandoning them; default 60s
+  --help, -h                 print this text and exit 0
+
+environment:
+  LBSCALE_STATE              the store's URL when --state is not given (keeps a
+                             PostgreSQL password off the command line)
+  LBSCALE_LOG                log filter, such as info or lbscale_daemon=debug,warn;
+                             default: RUST_LOG, else info
+  RUST_LOG                   log filter when LBSCALE_LOG is unset
+  PATH                       where lbscale-node is looked for (local cloud)
+  AWS_REGION                 aws cloud: the region (else AWS_DEFAULT_REGION)
+  AWS_DEFAULT_REGION         aws cloud: the region when AWS_REGION is unset
+  AWS_ACCESS_KEY_ID          aws cloud: access key (static keys only)
+  AWS_SECRET_ACCESS_KEY      aws cloud: secret key
+  AWS_SESSION_TOKEN          aws cloud: session token (read once, at start)
+  AWS_ENDPOINT_URL           aws cloud: one endpoint for every AWS API
+  AWS_CA_BUNDLE              aws cloud: PEM file of the CAs to trust instead of the system's
+  LBSCALE_AWS_IMAGE_ID       aws cloud: the image nodes start from
+  LBSCALE_AWS_INSTANCE_TYPE  aws cloud: the nodes' instance type; default c5.large
+";
 
 /// Splits `--flag value` / `--flag=value` pairs.
 pub fn flag_pairs(args: &[String], known: &str) -> Result<Vec<(String, String)>, CliError> {
@@ -98,6 +145,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     let mut local = lbscale_cloud_local::LocalSettings::default();
     let mut json_logs = false;
     let mut grace = None;
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        print!("{HELP}");
+        return Ok(());
+    }
     for (flag, value) in flag_pairs(args, FLAGS)? {
         match flag.as_str() {
             "--state" => {
