@@ -284,3 +284,23 @@ fn custom_load_with_weights_and_ties_follow_weights() {
     }
     assert_eq!(n, [100, 200]);
 }
+
+#[test]
+fn the_end_of_a_join_ramp_keeps_persistence_and_the_proxy_peers() {
+    use crate::persist::Persistence;
+    let mut entries = vec![entry("own", 1, true, 0.0), entry("peer:a", 1, true, 0.0)];
+    entries[1].peer = true;
+    let peers: std::collections::HashSet<std::net::IpAddr> =
+        ["127.0.0.9".parse().unwrap()].into_iter().collect();
+    let st = VsState::new("v".into(), Kind::Http, Method::LeastConnection, entries)
+        .with_persistence(Persistence::Cookie)
+        .with_proxy_from(Arc::new(peers));
+    let own = st.without_peers();
+    assert_eq!(own.services.len(), 1);
+    assert!(Arc::ptr_eq(&own.services[0].rt, &st.services[0].rt));
+    assert_eq!(own.method(), Method::LeastConnection);
+    assert_eq!(own.persistence, Persistence::Cookie);
+    assert_eq!(own.cookie_name, "lbscale_v");
+    assert!(own.set_cookie(0).is_some());
+    assert!(own.proxy_from.contains(&"127.0.0.9".parse().unwrap()));
+}

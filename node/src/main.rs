@@ -24,6 +24,8 @@ mod watch;
 
 #[cfg(test)]
 mod balancing_tests;
+#[cfg(test)]
+mod module_graph_tests;
 
 use std::collections::HashMap;
 use std::io::Write;
