@@ -1,7 +1,9 @@
 //! The `lbscale` provider: where the store is, and how each cloud is reached.
 
 use crate::common::*;
-use crate::data_sources::{group::GroupDataSource, simulation::SimulationDataSource};
+use crate::data_sources::{
+    distributor::DistributorDataSource, group::GroupDataSource, simulation::SimulationDataSource,
+};
 use crate::resources::{
     distributor::Distributor, group::Group, managed::Managed, se_group::SeGroup, vserver::Vserver,
 };
@@ -313,6 +315,10 @@ impl Provider for LbscaleProvider {
             (
                 "autoscale_group".to_string(),
                 Box::new(GroupDataSource(self.engine.clone())) as Box<dyn DynamicDataSource>,
+            ),
+            (
+                "traffic_distributor".to_string(),
+                Box::new(DistributorDataSource(self.engine.clone())) as Box<dyn DynamicDataSource>,
             ),
             (
                 "scaling_simulation".to_string(),

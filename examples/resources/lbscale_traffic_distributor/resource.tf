@@ -35,7 +35,8 @@ output "dns_server" {
   value       = lbscale_traffic_distributor.dns.address["dns"]
 }
 
-output "nlb_vips" {
-  description = "The VIP of each AZ (filled once a group uses the distributor)."
-  value       = lbscale_traffic_distributor.nlb.address
-}
+# An nlb's VIPs are made with the first vserver of each AZ, which Terraform
+# applies after the distributor: read them from that vserver's `vip`, or from
+# the lbscale_traffic_distributor data source with depends_on on the vservers
+# (examples/data-sources/lbscale_traffic_distributor). The resource's own
+# `address` and `endpoints` are what its apply saw, and a refresh keeps them.

@@ -1,4 +1,5 @@
 //! Data sources.
 
+pub mod distributor;
 pub mod group;
 pub mod simulation;

@@ -33,6 +33,11 @@ impl State {
     /// Attributes that only the apply knows.
     fn forget_computed(&mut self) {
         self.id = Value::Unknown;
+        self.forget_observed();
+    }
+
+    /// What the distributor hands out, which its apply reads back.
+    fn forget_observed(&mut self) {
         self.endpoints = Value::Unknown;
         self.address = Value::Unknown;
     }
@@ -54,8 +59,8 @@ impl ManagedObject for Distributor {
                 ("mode", required(AttributeType::String, "`dns` (the domain resolves to every serving node) or `nlb` (one static VIP per AZ forwarding TCP to the AZ's nodes). Changing it replaces the distributor.")),
                 ("domain", optional(AttributeType::String, "The application's domain; required with `dns`, not allowed with `nlb`.")),
                 ("ttl", defaulted(AttributeType::String, "TTL of the DNS answers (`dns` only), a duration such as `\"60s\"`. Default `\"60s\"`. Scale-in waits one TTL after removing a node's address.")),
-                ("endpoints", computed(AttributeType::List(Box::new(AttributeType::String)), "The node addresses registered right now.")),
-                ("address", computed(AttributeType::Map(Box::new(AttributeType::String)), "Where clients go: `{dns = \"IP:PORT\"}` of the DNS server (`dns`), or the VIP of each AZ (`nlb`).")),
+                ("endpoints", computed(AttributeType::List(Box::new(AttributeType::String)), "The node addresses registered right now, as this distributor's last apply (or import) saw them: none for a new one, whose groups come after it. A refresh keeps them (the daemon changes them between applies); the `lbscale_traffic_distributor` data source reads them live.")),
+                ("address", computed(AttributeType::Map(Box::new(AttributeType::String)), "Where clients go: `{dns = \"IP:PORT\"}` of the DNS server (`dns`, known when the distributor is created), or the VIP of each AZ (`nlb`) as this distributor's last apply (or import) saw them. An nlb's VIPs are made with the first vserver of each AZ, after the distributor: read them from `lbscale_vserver.vip` or the `lbscale_traffic_distributor` data source.")),
             ],
             vec![],
         )
@@ -138,8 +143,25 @@ impl ManagedObject for Distributor {
         ]);
         if !replace.is_empty() {
             s.forget_computed();
+        } else if changed(&prior.domain, &s.domain) {
+            // A new domain may be served from another zone (aws): its apply
+            // reads the address back. A ttl alone changes neither.
+            s.forget_observed();
         }
         Some(replace)
+    }
+
+    /// `endpoints` and `address` stay as the last apply saw them: the groups
+    /// that register nodes are applied after the distributor and the daemon
+    /// changes them between applies, so a refresh that moved them would
+    /// report every scaling as a change outside Terraform.
+    fn keep_from(last: &State, now: &mut State) {
+        if let Value::Value(e) = &last.endpoints {
+            now.endpoints = Value::Value(e.clone());
+        }
+        if let Value::Value(a) = &last.address {
+            now.address = Value::Value(a.clone());
+        }
     }
 
     /// The state as the store and the driver see it now.

@@ -47,6 +47,14 @@ pub trait ManagedObject: Send + Sync + 'static {
         planned: &mut Self::State,
     ) -> Option<Vec<AttributePath>>;
 
+    /// What a refresh, and an update that did not plan them unknown, leave as
+    /// `last` has them: computed values that the object's own apply does not
+    /// make (they move when other resources or the daemon act), so that a
+    /// refresh never reports them as changed outside Terraform. `last` is the
+    /// prior state on a refresh, the planned one on an update; only its known
+    /// values are kept. Nothing by default.
+    fn keep_from(_last: &Self::State, _now: &mut Self::State) {}
+
     /// The object as the engine sees it now; `None` when it is gone.
     async fn read(engine: &Engine, id: &str) -> Result<Option<Self::State>, EngineError>;
     /// The id of the object with this name (`terraform import` names objects by name).
@@ -84,6 +92,20 @@ impl<T: ManagedObject> Managed<T> {
             T::read(&engine, id).await,
         )?;
         Some(found.into())
+    }
+
+    /// [`Managed::observe`], keeping what [`ManagedObject::keep_from`] says of `last`.
+    async fn observe_after(
+        &self,
+        diags: &mut Diagnostics,
+        id: &str,
+        last: &T::State,
+    ) -> Option<Value<T::State>> {
+        let mut now = self.observe(diags, id).await?;
+        if let Value::Value(now) = &mut now {
+            T::keep_from(last, now);
+        }
+        Some(now)
     }
 }
 
@@ -126,7 +148,7 @@ impl<T: ManagedObject> Resource for Managed<T> {
         let Some(s) = known(&state) else {
             return Some((Value::Null, p));
         };
-        Some((self.observe(diags, &T::id(s)).await?, p))
+        Some((self.observe_after(diags, &T::id(s), s).await?, p))
     }
 
     async fn plan_create<'a>(
@@ -216,7 +238,7 @@ impl<T: ManagedObject> Resource for Managed<T> {
             &format!("update {}", T::KIND),
             T::update(&engine, &id, &T::spec_of(s)).await,
         )?;
-        Some((self.observe(diags, &id).await?, p))
+        Some((self.observe_after(diags, &id, s).await?, p))
     }
 
     async fn destroy<'a>(

@@ -446,7 +446,7 @@ resource "lbscale_vserver" "web" {{
   }}
 }}
 
-output "address" {{ value = lbscale_traffic_distributor.d.address }}
+output "address" {{ value = {{ for az, v in lbscale_vserver.web.vip : az => split(":", v)[0] }} }}
 "#
     ));
     ws.apply();

@@ -106,8 +106,14 @@ resource "lbscale_vserver" "tcp" {{
   }}
 }}
 
-output "address" {{ value = lbscale_traffic_distributor.d.address }}
-output "endpoints" {{ value = lbscale_traffic_distributor.d.endpoints }}
+# What the distributor hands out now, read once the vservers are applied.
+data "lbscale_traffic_distributor" "d" {{
+  name       = lbscale_traffic_distributor.d.name
+  depends_on = [lbscale_vserver.web, lbscale_vserver.tcp]
+}}
+
+output "address" {{ value = data.lbscale_traffic_distributor.d.address }}
+output "endpoints" {{ value = data.lbscale_traffic_distributor.d.endpoints }}
 output "vip" {{ value = lbscale_vserver.web.vip }}
 "#,
         a = backends.a,
