@@ -184,6 +184,11 @@ impl LocalCloud {
         }
     }
 
+    /// Where node `id` keeps its token file and log.
+    fn node_dir(&self, id: &str) -> PathBuf {
+        self.root.join("nodes").join(id)
+    }
+
     fn binary(&self) -> Result<PathBuf> {
         find_node_binary(self.settings.node_binary.as_deref()).map_err(CloudError::Failed)
     }
@@ -216,7 +221,7 @@ impl Cloud for LocalCloud {
         let bin = self.binary()?;
         let port = self.settings.node_api_port;
         let ip = self.reserve(&req.node_id, port)?;
-        let dir = self.root.join("nodes").join(&req.node_id);
+        let dir = self.node_dir(&req.node_id);
         std::fs::create_dir_all(&dir).map_err(|e| fail("create the node directory", &dir, e))?;
         let token_file = dir.join("token");
         write_private(&token_file, req.token.as_bytes())
@@ -287,8 +292,15 @@ impl Cloud for LocalCloud {
                 stop_process(pid, &node.id).await;
             }
         }
-        if h.dir.starts_with(&self.root) && h.dir.exists() {
-            let _ = std::fs::remove_dir_all(&h.dir);
+        // Without a stored handle, the directory is where provision makes it:
+        // it holds the group's token, which must not outlive the node.
+        let dir = if h.dir.as_os_str().is_empty() {
+            self.node_dir(&node.id)
+        } else {
+            h.dir
+        };
+        if dir.starts_with(&self.root) && dir.exists() {
+            let _ = std::fs::remove_dir_all(&dir);
         }
         self.store.release_addresses(&node.id)
     }

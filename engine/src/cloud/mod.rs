@@ -12,6 +12,12 @@
 //! `lbscale-cloud-aws`: EC2, Route 53, ELBv2), which keep what they need in the
 //! store through [`DriverStore`].
 
+#[cfg(feature = "testing")]
+pub mod faulty;
+mod retry;
+
+pub use retry::Backoff;
+
 use crate::model::DistributorSpec;
 use crate::store::{NodeRow, Store};
 use std::collections::BTreeMap;
@@ -147,6 +153,8 @@ pub type MakeDrivers = Box<dyn FnOnce(DriverStore) -> std::result::Result<Driver
 pub struct Clouds {
     /// In registration order (the order error messages list them in).
     make: Vec<(String, MakeDrivers)>,
+    /// How a failed idempotent call is made again (see [`Backoff`]).
+    backoff: Backoff,
 }
 
 impl Clouds {
@@ -166,19 +174,27 @@ impl Clouds {
         self
     }
 
+    /// Retries failed idempotent driver calls as `backoff` says (default:
+    /// [`Backoff::default`]).
+    pub fn backoff(mut self, backoff: Backoff) -> Clouds {
+        self.backoff = backoff;
+        self
+    }
+
     /// The names registered, in order.
     pub fn names(&self) -> Vec<String> {
         self.make.iter().map(|(n, _)| n.clone()).collect()
     }
 
-    /// Builds every driver on `store`.
+    /// Builds every driver on `store`, its idempotent calls retried.
     pub(crate) fn open(self, store: DriverStore) -> Registry {
+        let backoff = self.backoff;
         Registry {
             clouds: self
                 .make
                 .into_iter()
                 .map(|(name, make)| {
-                    let drivers = make(store.clone());
+                    let drivers = make(store.clone()).map(|d| backoff.wrap(d));
                     (name, drivers)
                 })
                 .collect(),

@@ -1,0 +1,590 @@
+//! Every workflow step against a cloud that misbehaves on purpose: the local
+//! cloud (real `lbscale-node` processes, a real DNS distributor) behind the
+//! test cloud of `lbscale_engine::cloud::faulty`, whose chosen call refuses,
+//! times out, answers late or loses its answer. Each test says what the engine
+//! must do then: retry the call with back-off (idempotent calls), or stop at
+//! that step with its error; leave no node process without its row, and no row
+//! without its node; and record the step's events.
+
+use lbscale_cloud_local::LocalSettings;
+use lbscale_engine::cloud::faulty::{Call, Fault, Faults};
+use lbscale_engine::cloud::Clouds;
+use lbscale_engine::model::{DistributorSpec, GroupSpec, ThresholdSpec};
+use lbscale_engine::store::NodeState;
+use lbscale_engine::{Engine, EngineError};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The workspace's `lbscale-node`, built next to this test's own binary.
+fn node_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("LBSCALE_NODE_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("lbscale-node");
+    assert!(
+        p.is_file(),
+        "build lbscale-node first (cargo build -p lbscale-node): {} missing",
+        p.display()
+    );
+    p
+}
+
+/// An engine on a fresh store whose `local` cloud is behind `faults`, with a
+/// `dns` distributor (TTL 1 s) and a group of one AZ (1 to 3 nodes) declared.
+struct Stack {
+    engine: Engine,
+    faults: Faults,
+    dir: PathBuf,
+    distributor: String,
+    group: String,
+    group_name: String,
+}
+
+impl Stack {
+    /// `prefix`: the test's own loopback range, so that tests run in parallel.
+    async fn new(test: &str, prefix: &str) -> Stack {
+        let dir =
+            std::env::temp_dir().join(format!("lbscale-faults-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let faults = Faults::new();
+        let settings = LocalSettings {
+            address_prefix: prefix.into(),
+            node_binary: Some(node_binary()),
+            ..LocalSettings::default()
+        };
+        let clouds =
+            Clouds::new().with("local", faults.wrap(lbscale_cloud_local::drivers(settings)));
+        let url = format!("sqlite://{}", dir.join("state.db").display());
+        let engine = Engine::open(&url, &dir, clouds).unwrap();
+        let distributor = engine
+            .create_distributor(&DistributorSpec {
+                name: format!("{test}-d"),
+                cloud: "local".into(),
+                mode: "dns".into(),
+                domain: Some(format!("{test}.lbscale.test")),
+                ttl: "1s".into(),
+            })
+            .await
+            .expect("create the distributor");
+        let group_name = test.replace('_', "-");
+        let group = engine
+            .declare_group(&GroupSpec {
+                name: group_name.clone(),
+                cloud: "local".into(),
+                availability_zones: vec!["az1".into()],
+                traffic_distributor_id: distributor.clone(),
+                min_nodes: 1,
+                max_nodes: 3,
+                stats_interval: "1s".into(),
+                watch_time: "2s".into(),
+                cooldown: "2s".into(),
+                drain_timeout: "1s".into(),
+                thresholds: vec![ThresholdSpec {
+                    metric: "cpu".into(),
+                    min: 10.0,
+                    max: 70.0,
+                }],
+                node: None,
+                apply_timeout: "60s".into(),
+            })
+            .expect("declare the group");
+        faults.forget_log();
+        Stack {
+            engine,
+            faults,
+            dir,
+            distributor,
+            group,
+            group_name,
+        }
+    }
+
+    /// A stack whose group is up (one active node).
+    async fn up(test: &str, prefix: &str) -> Stack {
+        let s = Stack::new(test, prefix).await;
+        s.engine
+            .reconcile_group(&s.group)
+            .await
+            .expect("bring the group up");
+        assert_eq!(s.serving().len(), 1);
+        s.faults.forget_log();
+        s
+    }
+
+    fn rows(&self) -> Vec<lbscale_engine::store::NodeRow> {
+        self.engine.store.nodes_of_group(&self.group).unwrap()
+    }
+
+    /// Ids of the nodes that are active and registered in the store.
+    fn serving(&self) -> Vec<String> {
+        self.rows()
+            .into_iter()
+            .filter(|n| n.state == NodeState::Active && n.registered)
+            .map(|n| n.id)
+            .collect()
+    }
+
+    /// Node ids of the running `lbscale-node` processes of this group.
+    fn processes(&self) -> BTreeSet<String> {
+        // The AZ too: one test's group name may begin another's.
+        let marker = format!("{}-az1-", self.group_name);
+        let mut out = BTreeSet::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            if e.file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_none()
+            {
+                continue;
+            }
+            let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+                continue;
+            };
+            let args: Vec<String> = cmd
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            if let Some(i) = args.iter().position(|a| a == "--node-id") {
+                if let Some(id) = args.get(i + 1).filter(|id| id.starts_with(&marker)) {
+                    out.insert(id.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Nothing left behind: every node process of the group has its row and
+    /// every row its process, and no node directory outlives its row.
+    fn assert_consistent(&self, when: &str) {
+        let rows: BTreeSet<String> = self.rows().into_iter().map(|n| n.id).collect();
+        assert_eq!(
+            self.processes(),
+            rows,
+            "{when}: node processes vs node rows"
+        );
+        let dirs: BTreeSet<String> = std::fs::read_dir(self.dir.join("local").join("nodes"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                    .filter(|n| n.starts_with(&format!("{}-az1-", self.group_name)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            dirs.is_subset(&rows),
+            "{when}: node directories {dirs:?} without rows {rows:?}"
+        );
+    }
+
+    fn event_kinds(&self) -> Vec<String> {
+        let mut e = self.engine.events(&self.group, 200).unwrap();
+        e.sort_by_key(|e| e.time_ms);
+        e.into_iter().map(|e| e.kind).collect()
+    }
+
+    /// The addresses the distributor hands out now: those of the last
+    /// configuration its DNS server took (publish waits for that).
+    fn published(&self) -> Vec<String> {
+        let path = self
+            .dir
+            .join("local")
+            .join("distributors")
+            .join(&self.distributor)
+            .join("config.json");
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        config["zones"][0]["addresses"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The calls of `call` so far were made again after pauses that grow.
+    fn assert_backed_off(&self, call: Call, failures: usize) {
+        let calls = self.faults.calls(call);
+        assert!(
+            calls.len() > failures,
+            "{call:?}: {} calls for {failures} failures: {calls:?}",
+            calls.len()
+        );
+        let gaps: Vec<Duration> = calls.windows(2).map(|w| w[1].at - w[0].at).collect();
+        for (i, g) in gaps.iter().take(failures).enumerate() {
+            // 0.25 s, then twice the last (less a little for the clock).
+            let floor = Duration::from_millis(240) * 2u32.pow(i as u32);
+            assert!(
+                *g >= floor,
+                "{call:?}: retry {} came after {g:?}, before {floor:?}",
+                i + 1
+            );
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // Stop whatever the test left running (its group and its distributor).
+        self.faults.clear();
+        let rt = tokio::runtime::Handle::current();
+        let (engine, group, d) = (&self.engine, self.group.clone(), self.distributor.clone());
+        tokio::task::block_in_place(|| {
+            rt.block_on(async {
+                let _ = engine.delete_group(&group).await;
+                let _ = engine.delete_distributor(&d).await;
+            })
+        });
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn step_of(e: &EngineError) -> String {
+    e.to_string()
+}
+
+// --- reconcile: top-up to min_nodes ------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_up_whose_provisioning_is_refused_leaves_nothing_and_the_next_run_completes() {
+    let s = Stack::new("flt_prov_refused", "127.81.").await;
+    s.faults.inject(Call::Provision, Fault::Refuse, 1);
+    let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
+    assert!(step_of(&e).contains("provision node"), "{e}");
+    // Not repeated in place: a provisioning is not idempotent.
+    assert_eq!(s.faults.calls(Call::Provision).len(), 1);
+    assert!(
+        s.rows().is_empty(),
+        "a row outlived a refused provisioning: {:?}",
+        s.rows()
+    );
+    s.assert_consistent("after the refusal");
+    assert!(s.event_kinds().contains(&"node_provisioning".to_string()));
+
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next run");
+    assert_eq!(s.serving().len(), 1);
+    assert_eq!(s.published().len(), 1);
+    s.assert_consistent("after the next run");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_up_whose_provisioning_answer_is_lost_removes_the_node_it_made() {
+    let s = Stack::new("flt_prov_lost", "127.82.").await;
+    // The node is started; the engine hears an error.
+    s.faults.inject(Call::Provision, Fault::Lost, 1);
+    let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
+    assert!(step_of(&e).contains("provision node"), "{e}");
+    assert_eq!(
+        s.faults.calls(Call::Deprovision).len(),
+        1,
+        "{:?}",
+        s.faults.log()
+    );
+    assert!(s.rows().is_empty(), "{:?}", s.rows());
+    s.assert_consistent("after the lost answer");
+
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next run");
+    assert_eq!(s.serving().len(), 1);
+    s.assert_consistent("after the next run");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_up_whose_provisioning_times_out_leaves_nothing() {
+    let s = Stack::new("flt_prov_timeout", "127.83.").await;
+    s.faults
+        .inject(Call::Provision, Fault::Timeout(Duration::from_secs(2)), 1);
+    let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
+    assert!(step_of(&e).contains("timed out"), "{e}");
+    assert!(s.rows().is_empty(), "{:?}", s.rows());
+    s.assert_consistent("after the timeout");
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next run");
+    assert_eq!(s.serving().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_up_whose_provisioning_answers_late_keeps_that_one_node() {
+    let s = Stack::new("flt_prov_late", "127.84.").await;
+    s.faults
+        .inject(Call::Provision, Fault::Late(Duration::from_secs(2)), 1);
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("a late answer is an answer");
+    assert_eq!(s.faults.calls(Call::Provision).len(), 1);
+    assert_eq!(s.serving().len(), 1);
+    assert_eq!(s.published().len(), 1);
+    s.assert_consistent("after a late answer");
+    let kinds = s.event_kinds();
+    for k in ["node_provisioning", "node_joining"] {
+        assert!(kinds.contains(&k.to_string()), "{k} missing from {kinds:?}");
+    }
+}
+
+// --- reconcile: observing the nodes --------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unanswered_liveness_check_is_retried_with_backoff_and_counts_no_node_dead() {
+    let s = Stack::up("flt_alive_refused", "127.85.").await;
+    let before = s.serving();
+    s.faults.inject(Call::Alive, Fault::Refuse, 2);
+    s.faults
+        .inject(Call::Alive, Fault::Timeout(Duration::from_millis(300)), 1);
+    s.engine.reconcile_group(&s.group).await.expect("retried");
+    s.assert_backed_off(Call::Alive, 3);
+    assert_eq!(
+        s.serving(),
+        before,
+        "a node was replaced on a cloud that did not answer"
+    );
+    assert!(!s.event_kinds().contains(&"node_failed".to_string()));
+    s.assert_consistent("after the retries");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_liveness_check_that_keeps_failing_stops_the_run_and_touches_no_node() {
+    let s = Stack::up("flt_alive_down", "127.86.").await;
+    let before = s.serving();
+    s.faults.inject(Call::Alive, Fault::Refuse, 4);
+    let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
+    assert!(step_of(&e).contains("refused"), "{e}");
+    assert_eq!(s.faults.calls(Call::Alive).len(), 4);
+    assert_eq!(s.serving(), before);
+    assert_eq!(s.faults.calls(Call::Deprovision).len(), 0);
+    s.assert_consistent("after the failed run");
+}
+
+// --- scale-out --------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_out_whose_publication_is_refused_is_retried_and_serves_the_node() {
+    let s = Stack::up("flt_out_publish", "127.87.").await;
+    s.faults.inject(Call::Publish, Fault::Refuse, 2);
+    let id = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .expect("retried");
+    s.assert_backed_off(Call::Publish, 2);
+    assert!(s.serving().contains(&id));
+    assert_eq!(s.published().len(), 2);
+    assert!(s.event_kinds().contains(&"scale_out".to_string()));
+    s.assert_consistent("after the scale-out");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_out_whose_provisioning_times_out_leaves_nothing_and_can_run_again() {
+    let s = Stack::up("flt_out_timeout", "127.88.").await;
+    s.faults
+        .inject(Call::Provision, Fault::Timeout(Duration::from_secs(1)), 1);
+    let e = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    assert!(step_of(&e).contains("provision node"), "{e}");
+    assert_eq!(s.rows().len(), 1, "{:?}", s.rows());
+    s.assert_consistent("after the failed scale-out");
+    let id = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .expect("again");
+    assert!(s.serving().contains(&id));
+    assert_eq!(s.serving().len(), 2);
+    s.assert_consistent("after the second scale-out");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_out_whose_publication_stays_down_fails_and_the_next_reconcile_publishes() {
+    let s = Stack::up("flt_out_publish_down", "127.89.").await;
+    s.faults.inject(Call::Publish, Fault::Refuse, 4);
+    let e = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    assert!(
+        step_of(&e).contains("register addresses with the distributor"),
+        "{e}"
+    );
+    assert_eq!(s.faults.calls(Call::Publish).len(), 4);
+    s.assert_consistent("after the failed publication");
+    let before = s.faults.calls(Call::Publish).len();
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next reconcile");
+    assert!(
+        s.faults.calls(Call::Publish).len() > before,
+        "not published again"
+    );
+    assert_eq!(s.serving().len(), 2);
+    s.assert_consistent("after the next reconcile");
+}
+
+// --- scale-in ---------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_in_whose_deprovisioning_is_refused_is_retried_and_removes_the_node() {
+    let s = Stack::up("flt_in_deprov", "127.90.").await;
+    s.engine.scale_out(&s.group, "az1", "test").await.unwrap();
+    s.faults.forget_log();
+    s.faults.inject(Call::Deprovision, Fault::Refuse, 2);
+    let gone = s
+        .engine
+        .scale_in_one(&s.group, "az1", "test")
+        .await
+        .expect("retried");
+    s.assert_backed_off(Call::Deprovision, 2);
+    assert!(!s.rows().iter().any(|n| n.id == gone));
+    assert_eq!(s.serving().len(), 1);
+    s.assert_consistent("after the scale-in");
+    let kinds = s.event_kinds();
+    for k in ["scale_in", "drain_end", "deprovision_start", "node_removed"] {
+        assert!(kinds.contains(&k.to_string()), "{k} missing from {kinds:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_in_whose_deprovisioning_stays_down_keeps_the_row_and_the_next_reconcile_removes_it()
+{
+    let s = Stack::up("flt_in_deprov_down", "127.91.").await;
+    s.engine.scale_out(&s.group, "az1", "test").await.unwrap();
+    s.faults.inject(Call::Deprovision, Fault::Refuse, 4);
+    let e = s
+        .engine
+        .scale_in_one(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    assert!(step_of(&e).contains("refused"), "{e}");
+    // The node still runs, and its row says it is on its way out.
+    let leaving: Vec<_> = s
+        .rows()
+        .into_iter()
+        .filter(|n| !n.state.is_member())
+        .collect();
+    assert_eq!(leaving.len(), 1, "{:?}", s.rows());
+    assert_eq!(leaving[0].state, NodeState::Deprovisioning);
+    s.assert_consistent("after the failed deprovisioning");
+
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next reconcile");
+    assert!(!s.rows().iter().any(|n| n.id == leaving[0].id));
+    assert_eq!(s.serving().len(), 1);
+    s.assert_consistent("after the next reconcile");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_in_whose_publication_stays_down_stops_before_the_drain() {
+    let s = Stack::up("flt_in_publish_down", "127.92.").await;
+    s.engine.scale_out(&s.group, "az1", "test").await.unwrap();
+    s.faults.inject(Call::Publish, Fault::Refuse, 4);
+    let e = s
+        .engine
+        .scale_in_one(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    assert!(
+        step_of(&e).contains("register addresses with the distributor"),
+        "{e}"
+    );
+    // Not drained nor removed while clients may still be sent to it.
+    assert_eq!(s.faults.calls(Call::Deprovision).len(), 0);
+    assert!(!s.event_kinds().contains(&"drain_end".to_string()));
+    s.assert_consistent("after the failed publication");
+
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("the next reconcile");
+    assert_eq!(s.rows().len(), 1, "{:?}", s.rows());
+    s.assert_consistent("after the next reconcile");
+}
+
+// --- destroy ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn destroy_whose_deprovisioning_answer_is_lost_is_retried_and_leaves_nothing() {
+    let s = Stack::up("flt_delete_lost", "127.93.").await;
+    s.faults.inject(Call::Deprovision, Fault::Lost, 1);
+    s.engine.delete_group(&s.group).await.expect("retried");
+    assert_eq!(s.faults.calls(Call::Deprovision).len(), 2);
+    assert!(s.engine.store.group(&s.group).unwrap().is_none());
+    assert!(s.rows().is_empty());
+    s.assert_consistent("after the destroy");
+}
+
+// --- distributors -------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_distributor_publication_that_times_out_or_answers_late_is_retried_or_kept() {
+    let s = Stack::up("flt_publish_timeout", "127.94.").await;
+    s.faults
+        .inject(Call::Publish, Fault::Timeout(Duration::from_millis(500)), 1);
+    s.faults
+        .inject(Call::Publish, Fault::Late(Duration::from_secs(1)), 1);
+    s.engine.reconcile_group(&s.group).await.expect("retried");
+    s.assert_backed_off(Call::Publish, 1);
+    assert_eq!(s.published().len(), 1);
+    s.assert_consistent("after the publication");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_distributor_whose_removal_is_refused_is_retried_and_stops() {
+    let s = Stack::new("flt_remove_refused", "127.95.").await;
+    let runtime = s.engine.store.distributor_runtime(&s.distributor).unwrap();
+    let pid = runtime["pid"].as_u64().expect("the DNS server's pid") as i32;
+    s.faults.inject(Call::Remove, Fault::Refuse, 2);
+    s.engine
+        .delete_distributor(&s.distributor)
+        .await
+        .expect("retried");
+    s.assert_backed_off(Call::Remove, 2);
+    assert!(s
+        .engine
+        .store
+        .distributor(&s.distributor)
+        .unwrap()
+        .is_none());
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read(format!("/proc/{pid}/cmdline")).map_or(true, |c| c.is_empty()),
+        "the DNS server {pid} outlived its distributor"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a created distributor whose first publication fails stays in the store, and creating it again says its name is taken: adopting or undoing a half-made object is issue 11 (item 9)"]
+async fn a_distributor_whose_first_publication_fails_can_be_created_again() {
+    let s = Stack::new("flt_create_down", "127.96.").await;
+    s.faults.inject(Call::Publish, Fault::Refuse, 4);
+    let spec = DistributorSpec {
+        name: "flt-create-down-2".into(),
+        cloud: "local".into(),
+        mode: "dns".into(),
+        domain: Some("again.lbscale.test".into()),
+        ttl: "1s".into(),
+    };
+    s.engine.create_distributor(&spec).await.unwrap_err();
+    let id = s
+        .engine
+        .create_distributor(&spec)
+        .await
+        .expect("created again");
+    s.engine.delete_distributor(&id).await.unwrap();
+}
