@@ -13,6 +13,7 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The provider's version: the workspace's, which this crate shares.
 fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
