@@ -15,6 +15,7 @@ cd "$root"
 need=()
 command -v dig >/dev/null 2>&1 || need+=(dnsutils)
 command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd) # systemd-analyze, systemd-sysusers: cli/tests/daemon_reference.rs checks examples/systemd
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]} (apt)" >&2
   if [ "$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi
