@@ -588,3 +588,24 @@ async fn a_distributor_whose_first_publication_fails_can_be_created_again() {
         .expect("created again");
     s.engine.delete_distributor(&id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a node whose publication failed is registered in the store, so the distributor's endpoints list it while its DNS server does not hand it out, until some later run publishes again: publications acknowledged by the driver and retried until they are are issue 11 (item 1)"]
+async fn a_node_whose_publication_failed_is_not_listed_as_served() {
+    let s = Stack::up("flt_unpublished", "127.97.").await;
+    s.faults.inject(Call::Publish, Fault::Refuse, 4);
+    s.engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    let mut listed = s
+        .engine
+        .distributor_view(&s.distributor)
+        .unwrap()
+        .unwrap()
+        .endpoints;
+    let mut served = s.published();
+    listed.sort();
+    served.sort();
+    assert_eq!(listed, served, "endpoints vs what the DNS server hands out");
+}
