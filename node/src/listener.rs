@@ -11,7 +11,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::model::{Kind, Vserver};
-use crate::persist::{proxy_header, read_proxy_header, Persistence};
+use crate::persist::Persistence;
+use crate::proxy_protocol::{proxy_header, read_proxy_header};
 use crate::scaleout::{Peer, Route, PEER_CONNECT_TIMEOUT};
 
 /// Accepts the vserver's connections until it closes.

@@ -14,6 +14,7 @@ mod model;
 mod nlb;
 mod node;
 mod persist;
+mod proxy_protocol;
 mod scaleout;
 mod service;
 mod slowstart;
