@@ -73,7 +73,7 @@ impl Faults {
     pub fn inject(&self, call: Call, fault: Fault, times: usize) {
         let mut s = self.state.lock().unwrap();
         let q = s.planned.entry(call).or_default();
-        q.extend(std::iter::repeat(fault).take(times));
+        q.extend(std::iter::repeat_n(fault, times));
     }
 
     /// Forgets the faults not yet used.
