@@ -128,9 +128,9 @@ fn events(query: &str, shared: &Shared) -> (u16, &'static str, String) {
             _ => {}
         }
     }
-    let store = &shared.engine.store;
+    let engine = &shared.engine;
     let groups = match &group {
-        Some(name) => match store.group_by_name(name) {
+        Some(name) => match engine.group_named(name) {
             Ok(Some(g)) => vec![g],
             Ok(None) => {
                 return (
@@ -142,14 +142,14 @@ fn events(query: &str, shared: &Shared) -> (u16, &'static str, String) {
             }
             Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),
         },
-        None => match store.all_groups() {
+        None => match engine.all_groups() {
             Ok(g) => g,
             Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),
         },
     };
     let mut out = Vec::new();
     for g in groups {
-        match store.events_of_group(&g.id, limit) {
+        match engine.events(&g.id, limit) {
             Ok(evs) => out.extend(evs.into_iter().map(|e| {
                 json!({
                     "time_ms": e.time_ms,

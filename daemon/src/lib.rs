@@ -1,51 +1,61 @@
 //! `lbscale daemon`: the sidecar that scales every group between applies.
 //!
-//! Level-triggered. Every tick (200 ms) the loop lists every group in the store;
-//! a group whose `stats_interval` has elapsed since its last evaluation gets one
-//! evaluation, run as its own task so that a slow group (a drain takes seconds)
-//! never stalls the others. A group has at most one task at a time (its runtime
-//! sits behind a mutex that the task holds), so two workflows never run on one
-//! group at once.
+//! Level-triggered, in the shape of a controller. The daemon keeps its groups in
+//! memory; every tick (200 ms) it reads each group's row version and re-reads
+//! only the rows that changed (a Terraform apply that changes min/max or the
+//! thresholds takes effect at the next evaluation). A group that is due (its
+//! requeue has come, or a workflow of one of its AZs ended) gets one evaluation,
+//! run as its own task; a group has at most one evaluation at a time (its
+//! runtime sits behind a mutex that the evaluation holds).
 //!
-//! One evaluation ([`group::tick`]):
-//! 1. reads the group's policy from its spec (re-read every tick: a Terraform apply
-//!    that changes min/max/thresholds takes effect at the next evaluation) and
-//!    validates it with the core's own functions;
-//! 2. claims the group for this daemon (an ownership lease `daemon/<group id>`,
-//!    renewed in the background for as long as the evaluation and its workflow
-//!    run): a second daemon on the same store leaves alone a group that the first
-//!    one evaluates, and takes it over one claim TTL after the first one died;
-//! 3. skips the group this tick when the group's own lease is held (Terraform is
-//!    applying it): the lease is how the daemon and the provider coexist.
-//!    Then it resumes: the first time it evaluates the group, and whenever the store
+//! One evaluation ([`group::evaluate`]) returns what happens next ([`group::Next`]:
+//! requeue after a duration, or workflows started); a failed one goes to one error
+//! policy ([`group::error_policy`]), which reports it and decides the back-off:
+//! 1. reads the group's policy and validates it with the core's own conversion
+//!    (the one `lbscale simulate` uses);
+//! 2. takes its turn through the engine ([`lbscale_engine::daemon_api`]): the
+//!    daemon's claim on the group (a lease `daemon/<group id>` with a fencing
+//!    token, renewed while the evaluation and the AZs' workflows run: a second
+//!    daemon on the same store leaves the group alone, and takes it over one
+//!    claim TTL after the first one died), and the probe of the group's own
+//!    lease: while Terraform applies the group, it is skipped;
+//! 3. resumes: the first time it evaluates the group, and whenever the store
 //!    shows work left half-done (a node provisioning, joining, draining or
 //!    deprovisioning, a member whose process is gone, an active node not
-//!    registered), it runs the engine's level-triggered `reconcile_group`, which
-//!    finishes each step where a crashed holder stopped, before deciding anything.
-//!    A resume that fails is retried after a back-off (30 s doubling to 10 min,
-//!    [`resume::ResumeBackoff`]), shown in `/v1/groups` and as `resume_failed`
-//!    events; after a successful one, each AZ starts from the policy state that
-//!    the store persisted ([`resume::restore_az_state`]);
-//! 4. samples every serving node through its management API and takes each AZ's
-//!    mean; feeds it to [`lbscale_core::policy::step`] with the AZ's state, and
-//!    persists the new state (table `policy_state`, under the claim's fencing
-//!    token) before acting on it: a restarted daemon, or one that takes the group
-//!    over, keeps a running cooldown and a provisioning back-off;
-//! 5. runs the engine's scale-out / scale-in workflow when the step says so (the
-//!    workflow takes the group's lease itself: short, renewed while it runs,
-//!    checked before every side effect) and reports its outcome back to the
-//!    policy at once, so that the cooldown starts when the node has joined.
+//!    registered) while none of its own workflows runs, it runs the engine's
+//!    level-triggered `reconcile_group`, which finishes each step where a crashed
+//!    holder stopped, before deciding anything. A resume that fails is retried
+//!    after a back-off (30 s doubling to 10 min, [`resume::ResumeBackoff`]), shown
+//!    in `/v1/groups` and as `resume_failed` events; after a successful one, each
+//!    AZ starts from the policy state that the store persisted
+//!    ([`resume::restore_az_state`]);
+//! 4. samples every serving node through its management API;
+//! 5. evaluates each AZ on its own, as its own cluster: takes in the outcome of
+//!    the AZ's workflow that ended (the cooldown starts when the node joined),
+//!    and unless one still runs, feeds the AZ's mean to
+//!    [`lbscale_core::policy::step`], persists the new state (table
+//!    `policy_state`, under the claim's fencing token) before acting on it, and
+//!    starts the workflow the step asks for as a task of its own. The engine runs
+//!    it under the AZ's lease: two workflows never run in one AZ, a drain or a
+//!    slow node in one AZ never delays another AZ, and an apply (which takes the
+//!    group's lease) never acts together with one.
 
+mod az;
 pub mod group;
 pub mod http;
 pub mod metrics;
 pub mod resume;
+mod sample;
+mod spans;
+mod status;
 
 use lbscale_cloud_aws::AwsSettings;
 use lbscale_cloud_local::LocalSettings;
+use lbscale_engine::model::GroupSpec;
+use lbscale_engine::store::Row;
 use lbscale_engine::Engine;
 use metrics::{GroupStatus, Metrics};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -154,13 +164,13 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
     });
     tracing::info!(
         listen = %cfg.listen,
-        store = %shared.engine.store.location(),
+        store = %shared.engine.store_location(),
         holder = %holder,
         "lbscale daemon started"
     );
     let http = tokio::spawn(http::serve(listener, shared.clone()));
 
-    let mut groups: HashMap<String, Arc<tokio::sync::Mutex<group::GroupRuntime>>> = HashMap::new();
+    let mut groups: HashMap<String, Watched> = HashMap::new();
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut ticker = tokio::time::interval(cfg.tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -175,61 +185,38 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
                 tracing::error!(error = %e, "a group evaluation panicked or was cancelled");
             }
         }
-        let all = match shared.engine.store.all_groups() {
-            Ok(all) => all,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list the groups; retrying at the next tick");
-                continue;
-            }
-        };
-        // A group that Terraform destroyed stops being scaled at once.
-        let present: std::collections::HashSet<&str> = all.iter().map(|g| g.id.as_str()).collect();
-        let gone: Vec<String> = groups
-            .keys()
-            .filter(|id| !present.contains(id.as_str()))
-            .cloned()
-            .collect();
-        for id in gone {
-            groups.remove(&id);
-            if let Some(s) = shared.forget(&id) {
-                shared.metrics.forget_group(&s.name);
-                tracing::info!(group = %s.name, "group is gone from the store; no longer scaled");
-            }
-            group::release_ownership(&shared, &id);
+        if let Err(e) = refresh(&shared, &mut groups) {
+            tracing::warn!(error = %e, "cannot list the groups; retrying at the next tick");
+            continue;
         }
         let now = lbscale_engine::store::now_ms();
-        for row in all {
-            let rt = groups
-                .entry(row.id.clone())
-                .or_insert_with(|| {
-                    shared.set_status(group::initial_status(&row));
-                    Arc::new(tokio::sync::Mutex::new(group::GroupRuntime::new()))
-                })
-                .clone();
-            // In flight: this group's previous evaluation (maybe a workflow) runs.
-            let Ok(guard) = rt.try_lock_owned() else {
+        for w in groups.values() {
+            // In flight: this group's previous evaluation runs.
+            let Ok(guard) = w.runtime.clone().try_lock_owned() else {
                 continue;
             };
-            if !guard.due(&row.spec, now) {
-                continue;
+            if guard.due(now) {
+                tasks.spawn(group::run(shared.clone(), guard, w.row.clone()));
             }
-            tasks.spawn(group::tick(shared.clone(), guard, row));
         }
     }
 
     tracing::info!(
         in_flight = tasks.len(),
         grace_s = cfg.shutdown_grace.as_secs(),
-        "shutting down after the evaluations in flight"
+        "shutting down after the evaluations and workflows in flight"
     );
     let drained = tokio::time::timeout(cfg.shutdown_grace, async {
         while tasks.join_next().await.is_some() {}
+        for w in groups.values() {
+            w.runtime.lock().await.workflows_done().await;
+        }
     })
     .await;
     if drained.is_err() {
         tracing::warn!(
             left = tasks.len(),
-            "evaluations still running after the shutdown grace; abandoning them (the next apply or daemon resumes from the store)"
+            "evaluations or workflows still running after the shutdown grace; abandoning them (the next apply or daemon resumes from the store)"
         );
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
@@ -239,6 +226,65 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
         group::release_ownership(&shared, id);
     }
     tracing::info!("lbscale daemon stopped");
+    Ok(())
+}
+
+/// A group as the daemon keeps it between ticks: its row as of `version`,
+/// and its runtime (behind a mutex that an evaluation holds).
+struct Watched {
+    version: i64,
+    row: Row<GroupSpec>,
+    runtime: Arc<tokio::sync::Mutex<group::GroupRuntime>>,
+}
+
+/// Brings `groups` up to the store: reads the groups' versions, re-reads
+/// only the rows that changed or are new, and forgets the groups that are
+/// gone (a group that Terraform destroyed stops being scaled at once).
+fn refresh(
+    shared: &Shared,
+    groups: &mut HashMap<String, Watched>,
+) -> Result<(), lbscale_engine::EngineError> {
+    let versions = shared.engine.group_versions()?;
+    let present: HashSet<&str> = versions.iter().map(|(id, _)| id.as_str()).collect();
+    let gone: Vec<String> = groups
+        .keys()
+        .filter(|id| !present.contains(id.as_str()))
+        .cloned()
+        .collect();
+    for id in gone {
+        groups.remove(&id);
+        if let Some(s) = shared.forget(&id) {
+            shared.metrics.forget_group(&s.name);
+            tracing::info!(group = %s.name, "group is gone from the store; no longer scaled");
+        }
+        group::release_ownership(shared, &id);
+    }
+    for (id, version) in versions {
+        if groups.get(&id).is_some_and(|w| w.version == version) {
+            continue;
+        }
+        // Deleted since the versions were read: gone at the next tick.
+        let Some((row, version)) = shared.engine.group_with_version(&id)? else {
+            continue;
+        };
+        match groups.get_mut(&id) {
+            Some(w) => {
+                w.row = row;
+                w.version = version;
+            }
+            None => {
+                shared.set_status(status::initial_status(&row));
+                groups.insert(
+                    id,
+                    Watched {
+                        version,
+                        row,
+                        runtime: Arc::new(tokio::sync::Mutex::new(group::GroupRuntime::new())),
+                    },
+                );
+            }
+        }
+    }
     Ok(())
 }
 

@@ -130,7 +130,7 @@ pub struct Engine {
     pub store: Arc<Store>,
     /// The drivers by cloud name, as the embedding program registered them.
     clouds: Registry,
-    holder: String,
+    pub(crate) holder: String,
     /// One operation per group at a time within this process. The store's lease
     /// excludes other processes, but it is held in this process's name, so two
     /// operations of one process (Terraform creating two vservers of a group in
@@ -268,7 +268,7 @@ impl Engine {
         self.clouds.unusable(cloud, nodes)
     }
 
-    fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
+    pub(crate) fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
         Ok(self.clouds.nodes(name)?)
     }
 
@@ -416,7 +416,7 @@ impl Engine {
     /// Each reads the store and bumps the distributor's configuration version;
     /// interleaved, the later write could carry the earlier view under the same
     /// version and a registration would be lost until the next publication.
-    async fn publish(&self, distributor_id: &str) -> Result<()> {
+    pub(crate) async fn publish(&self, distributor_id: &str) -> Result<()> {
         // A distributor destroyed under its groups (to be replaced) has nothing
         // to publish, and must not get a lease row that nothing would delete.
         if self.store.distributor(distributor_id)?.is_none() {
@@ -579,7 +579,7 @@ impl Engine {
         }))
     }
 
-    fn ttl_of(&self, spec: &GroupSpec) -> Result<Duration> {
+    pub(crate) fn ttl_of(&self, spec: &GroupSpec) -> Result<Duration> {
         let d = self.store.distributor(&spec.traffic_distributor_id)?;
         Ok(match d {
             Some(d) if d.spec.mode == "dns" => {
@@ -594,7 +594,7 @@ impl Engine {
     /// Within this process, one operation at a time holds it (the store's lease is
     /// held in the process's name, so it alone would let two of them in).
     /// The lease is short ([`WORKFLOW_LEASE_TTL`]) and renewed while the work runs.
-    async fn lease(&self, key: &str, deadline: Instant) -> Result<KeptLease> {
+    pub(crate) async fn lease(&self, key: &str, deadline: Instant) -> Result<KeptLease> {
         let ttl = WORKFLOW_LEASE_TTL;
         let turn = {
             let lock = self
@@ -701,7 +701,11 @@ impl Engine {
 
         // 2. Failed nodes: nothing to drain, removed at once.
         let mut registration_changed = false;
-        for mut n in rows.iter().filter(|n| plan.remove_failed.contains(&n.id)).cloned() {
+        for mut n in rows
+            .iter()
+            .filter(|n| plan.remove_failed.contains(&n.id))
+            .cloned()
+        {
             lease.check()?;
             registration_changed |= n.registered;
             n.state = NodeState::Failed;
@@ -877,7 +881,7 @@ impl Engine {
     /// each its configuration if it changed. Newest first: a new secondary serves
     /// before its primary starts forwarding to it, and the nodes of a new group
     /// (none active yet) do not ramp against each other.
-    async fn push_configs(
+    pub(crate) async fn push_configs(
         &self,
         cloud: &dyn Cloud,
         group: &Row<GroupSpec>,
@@ -1126,7 +1130,7 @@ impl Engine {
         out
     }
 
-    async fn provision(
+    pub(crate) async fn provision(
         &self,
         group: &Row<GroupSpec>,
         az: &str,
@@ -1250,7 +1254,7 @@ impl Engine {
     /// Removes `nodes` from the group: deregister, wait one TTL (dns), drain (ends
     /// early when the node has no connections left; at most drain_timeout), then
     /// deprovision and forget.
-    async fn scale_in(
+    pub(crate) async fn scale_in(
         &self,
         group: &Row<GroupSpec>,
         nodes: Vec<NodeRow>,

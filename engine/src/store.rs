@@ -775,19 +775,32 @@ impl Store {
     /// tick, without decoding a spec.
     pub fn group_versions(&self) -> Result<Vec<(String, i64)>> {
         self.with(|c| {
-            c.query("SELECT id, version FROM groups ORDER BY created_at, id", &[])?
-                .iter()
-                .map(|r| Ok((r.text(0)?, r.int(1)?)))
-                .collect()
+            c.query(
+                "SELECT id, version FROM groups ORDER BY created_at, id",
+                &[],
+            )?
+            .iter()
+            .map(|r| Ok((r.text(0)?, r.int(1)?)))
+            .collect()
         })
     }
     /// The group with its row version, read together.
     pub fn group_with_version(&self, id: &str) -> Result<Option<(Row<GroupSpec>, i64)>> {
-        let row =
-            self.with(|c| c.one("SELECT id, spec, version FROM groups WHERE id = ?1", vals![id]))?;
+        let row = self.with(|c| {
+            c.one(
+                "SELECT id, spec, version FROM groups WHERE id = ?1",
+                vals![id],
+            )
+        })?;
         row.map(|r| {
             let spec = decode("autoscale group", &r.text(1)?)?;
-            Ok((Row { id: r.text(0)?, spec }, r.int(2)?))
+            Ok((
+                Row {
+                    id: r.text(0)?,
+                    spec,
+                },
+                r.int(2)?,
+            ))
         })
         .transpose()
     }

@@ -1,0 +1,147 @@
+//! Sampling a group's serving nodes through their management API.
+
+use crate::metrics::{RampingService, SampleOut};
+use lbscale_engine::nodeapi::NodeClient;
+use lbscale_engine::reconcile::GroupView;
+use lbscale_engine::store::NodeRow;
+use lbscale_proto::NodeStats;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The API port of a node whose handle does not say.
+const DEFAULT_API_PORT: u16 = 9990;
+/// Longest wait for one node's statistics (connect + call).
+const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection to one node's management API, kept between evaluations.
+pub(crate) struct CachedClient {
+    addr: String,
+    client: NodeClient,
+}
+
+/// One node as the daemon samples it.
+pub(crate) struct Target {
+    pub id: String,
+    pub az: String,
+    ip: String,
+    port: u16,
+}
+
+/// What one evaluation saw of the group's nodes.
+pub(crate) struct Sampled {
+    pub targets: Vec<Target>,
+    /// Statistics by node id, of the targets that answered.
+    pub answers: HashMap<String, NodeStats>,
+}
+
+impl Sampled {
+    fn answered_in<'a>(&'a self, az: &'a str) -> impl Iterator<Item = (&'a Target, &'a NodeStats)> {
+        self.targets
+            .iter()
+            .filter(move |t| t.az == az)
+            .filter_map(|t| self.answers.get(&t.id).map(|s| (t, s)))
+    }
+
+    /// The mean of the AZ's answers; `None` when no serving node answered.
+    pub fn mean(&self, az: &str) -> Option<SampleOut> {
+        let stats: Vec<&NodeStats> = self.answered_in(az).map(|(_, s)| s).collect();
+        if stats.is_empty() {
+            return None;
+        }
+        let n = stats.len() as f64;
+        Some(SampleOut {
+            cpu: stats.iter().map(|s| s.cpu_percent).sum::<f64>() / n,
+            memory: stats.iter().map(|s| s.memory_percent).sum::<f64>() / n,
+            throughput: stats.iter().map(|s| s.throughput_mbps).sum::<f64>() / n,
+            nodes: stats.len() as u32,
+        })
+    }
+
+    /// The AZ's services still ramping under slow start.
+    pub fn slow_start(&self, az: &str) -> Vec<RampingService> {
+        self.answered_in(az)
+            .flat_map(|(t, s)| {
+                s.services
+                    .iter()
+                    .filter(|x| x.in_slow_start)
+                    .map(|x| RampingService {
+                        node: t.id.clone(),
+                        vserver: x.vserver.clone(),
+                        service: x.service.clone(),
+                        cap_per_second: x.cap_per_second,
+                        requests_per_second: x.requests_per_second,
+                    })
+            })
+            .collect()
+    }
+}
+
+/// The serving nodes of `view`, at the API port their stored handle names.
+pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
+    view.nodes
+        .iter()
+        .filter(|n| n.serving)
+        .map(|n| {
+            let port = rows
+                .iter()
+                .find(|r| r.id == n.id)
+                .and_then(|r| r.handle.get("api_port"))
+                .and_then(|p| p.as_u64())
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0)
+                .unwrap_or(DEFAULT_API_PORT);
+            Target {
+                id: n.id.clone(),
+                az: n.availability_zone.clone(),
+                ip: n.private_ip.clone(),
+                port,
+            }
+        })
+        .collect()
+}
+
+/// Asks every target for its statistics, concurrently, each bounded by
+/// [`STATS_TIMEOUT`]. Connections are kept for the next evaluation.
+pub(crate) async fn sample(
+    clients: &mut HashMap<String, CachedClient>,
+    targets: Vec<Target>,
+    token: &str,
+) -> Sampled {
+    // Forget the connections of nodes that left.
+    clients.retain(|id, _| targets.iter().any(|t| &t.id == id));
+    let mut set = tokio::task::JoinSet::new();
+    for t in &targets {
+        let addr = format!("{}:{}", t.ip, t.port);
+        let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
+        let (id, ip, port, token) = (t.id.clone(), t.ip.clone(), t.port, token.to_string());
+        set.spawn(async move {
+            let call = async {
+                let mut client = match cached {
+                    Some(c) => c.client,
+                    None => NodeClient::connect(&ip, port, &token)
+                        .await
+                        .map_err(|e| e.to_string())?,
+                };
+                let stats = client.stats().await.map_err(|e| e.to_string())?;
+                Ok::<_, String>((client, stats))
+            };
+            let r = match tokio::time::timeout(STATS_TIMEOUT, call).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())),
+            };
+            (id, addr, r)
+        });
+    }
+    let mut answers = HashMap::new();
+    while let Some(joined) = set.join_next().await {
+        let Ok((id, addr, r)) = joined else { continue };
+        match r {
+            Ok((client, stats)) => {
+                clients.insert(id.clone(), CachedClient { addr, client });
+                answers.insert(id, stats);
+            }
+            Err(e) => tracing::debug!(node = %id, error = %e, "no statistics from node"),
+        }
+    }
+    Sampled { targets, answers }
+}

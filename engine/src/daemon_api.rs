@@ -1,0 +1,270 @@
+//! What the daemon asks of the engine: its door to the store, and the
+//! workflows it runs in one availability zone at a time.
+//!
+//! Who may act on a group is decided here, in [`Engine::daemon_turn`]: the
+//! daemon's claim on the group (a lease with a fencing token: a second daemon
+//! on the same store leaves the group alone), then the probe of the group's
+//! own lease (an apply working on it). A daemon's workflow takes the lease of
+//! its AZ only ([`az_lease_key`]), so that workflows in two AZs of one group
+//! run at once; the store makes an AZ lease and the group's lease of another
+//! holder exclude each other, so an apply never acts with the daemon on an AZ.
+
+use crate::model::GroupSpec;
+use crate::reconcile::{EngineError, KeptLease, Result};
+use crate::store::{
+    az_lease_key, daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError,
+};
+use crate::Engine;
+use lbscale_core::policy::{AzState, PolicyConfig};
+use std::time::{Duration, Instant};
+
+/// Whether a daemon may act on a group now.
+pub enum Turn {
+    /// The daemon holds its claim (renewed while this is kept) and no apply
+    /// holds the group.
+    Ours(KeptLease),
+    /// Another daemon evaluates the group.
+    OtherDaemon { holder: String },
+    /// An apply (or another process) holds the group's lease.
+    Applying { holder: String },
+}
+
+impl Engine {
+    /// Every group's id and row version, oldest first: a version changes when
+    /// the group's spec or its distributor's does.
+    pub fn group_versions(&self) -> Result<Vec<(String, i64)>> {
+        Ok(self.store.group_versions()?)
+    }
+
+    /// Every group, oldest first.
+    pub fn all_groups(&self) -> Result<Vec<Row<GroupSpec>>> {
+        Ok(self.store.all_groups()?)
+    }
+
+    /// The group named `name`, if there is one.
+    pub fn group_named(&self, name: &str) -> Result<Option<Row<GroupSpec>>> {
+        Ok(self.store.group_by_name(name)?)
+    }
+
+    /// The group with its row version.
+    pub fn group_with_version(&self, id: &str) -> Result<Option<(Row<GroupSpec>, i64)>> {
+        Ok(self.store.group_with_version(id)?)
+    }
+
+    /// The group's scaling policy, as the core reads and validates it (the
+    /// same conversion as `lbscale simulate`'s): `Ok(Err(why))` names the
+    /// setting that does not read.
+    pub fn group_policy(
+        &self,
+        spec: &GroupSpec,
+    ) -> Result<std::result::Result<PolicyConfig, String>> {
+        let (mode, ttl) = match self.store.distributor(&spec.traffic_distributor_id)? {
+            Some(d) => (d.spec.mode, d.spec.ttl),
+            None => ("nlb".to_string(), "0s".to_string()),
+        };
+        let thresholds: Vec<serde_json::Value> = spec
+            .thresholds
+            .iter()
+            .map(|t| serde_json::json!({"metric": t.metric, "min": t.min, "max": t.max}))
+            .collect();
+        let group = serde_json::json!({
+            "min_nodes": spec.min_nodes,
+            "max_nodes": spec.max_nodes,
+            "stats_interval": spec.stats_interval,
+            "watch_time": spec.watch_time,
+            "cooldown": spec.cooldown,
+            "drain_timeout": spec.drain_timeout,
+            "distributor": mode,
+            // A distributor's TTL: named so in an error.
+            "dns_ttl": ttl,
+            "thresholds": thresholds,
+        });
+        Ok(lbscale_core::simulate::group_policy(&group)
+            .map(|(cfg, _)| cfg)
+            .map_err(|e| {
+                let e = e.to_string();
+                match e.strip_prefix("dns_ttl") {
+                    Some(rest) => format!("traffic distributor ttl{rest}"),
+                    None => e,
+                }
+            }))
+    }
+
+    /// Whether `daemon` may act on the group now (see the module's docs). Its
+    /// claim lasts `ttl` past the last renewal: another daemon takes the group
+    /// over that long after this one died.
+    pub fn daemon_turn(&self, group_id: &str, daemon: &str, ttl: Duration) -> Result<Turn> {
+        let claim = match self
+            .store
+            .acquire_lease(&daemon_claim_key(group_id), daemon, ttl)
+        {
+            Ok(l) => KeptLease::keep(self.store.clone(), l, ttl),
+            Err(StoreError::LeaseHeld { holder, .. }) => return Ok(Turn::OtherDaemon { holder }),
+            Err(e) => return Err(e.into()),
+        };
+        // This process's own workflows hold the group's lease in the engine's
+        // name (the daemon's resume): not an apply.
+        match self.store.lease_holder(group_id)? {
+            Some(holder) if holder != self.holder => Ok(Turn::Applying { holder }),
+            _ => Ok(Turn::Ours(claim)),
+        }
+    }
+
+    /// Keeps renewing a claim that [`Engine::daemon_turn`] gave, while a
+    /// workflow that outlives the evaluation runs.
+    pub fn keep_claim(&self, claim: &Lease, ttl: Duration) -> KeptLease {
+        KeptLease::keep(self.store.clone(), claim.clone(), ttl)
+    }
+
+    /// Gives up `daemon`'s claim on the group (shutdown, group gone).
+    pub fn release_daemon_claim(&self, group_id: &str, daemon: &str) -> Result<()> {
+        Ok(self
+            .store
+            .release_lease_of(&daemon_claim_key(group_id), daemon)?)
+    }
+
+    /// The group's nodes as stored (handles, registration), in creation order.
+    pub fn node_rows(&self, group_id: &str) -> Result<Vec<NodeRow>> {
+        Ok(self.store.nodes_of_group(group_id)?)
+    }
+
+    /// The group's node API token. Sensitive: never log or print it.
+    pub fn group_token(&self, group_id: &str) -> Result<String> {
+        Ok(self.store.group_token(group_id)?.unwrap_or_default())
+    }
+
+    /// The AZs' persisted policy states.
+    pub fn policy_states(&self, group_id: &str) -> Result<Vec<PolicyStateRow>> {
+        Ok(self.store.policy_states(group_id)?)
+    }
+
+    /// Persists one AZ's policy state, fenced by the daemon's claim.
+    pub fn put_policy_state(
+        &self,
+        claim: &Lease,
+        group_id: &str,
+        az: &str,
+        state: &AzState,
+    ) -> Result<()> {
+        Ok(self.store.put_policy_state(claim, group_id, az, state)?)
+    }
+
+    /// Records an event of the group (of one AZ with `az`).
+    pub fn record_event(&self, group_id: &str, az: Option<&str>, kind: &str, reason: &str) {
+        if let Err(e) = self.store.record_event(group_id, az, kind, reason) {
+            tracing::warn!(group = %group_id, kind, error = %e, "could not record an event");
+        }
+    }
+
+    /// Where the store is (for logs).
+    pub fn store_location(&self) -> &str {
+        self.store.location()
+    }
+
+    /// The scale-out workflow in one AZ, under that AZ's lease: provision a
+    /// node, join it and the AZ's other members (their configuration may place
+    /// it), register it and publish the distributor. Refused at `max_nodes`.
+    /// Returns the new node's id. The group's other AZs are not touched.
+    pub async fn scale_out_in_az(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
+        let group = self.group_row(group_id)?;
+        let deadline = Instant::now() + group.spec.apply_timeout();
+        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
+        let out = async {
+            let nodes = self.store.nodes_of_group(group_id)?;
+            let members = nodes
+                .iter()
+                .filter(|n| n.az == az && n.state.is_member())
+                .count() as i64;
+            if !group.spec.availability_zones.iter().any(|z| z == az)
+                || members >= group.spec.max_nodes
+            {
+                return Err(EngineError::Step {
+                    step: "scale out",
+                    detail: format!(
+                        "{az} has {members} node(s), max_nodes is {} (or the AZ is not declared)",
+                        group.spec.max_nodes
+                    ),
+                });
+            }
+            lease.check()?;
+            self.store
+                .record_event(group_id, Some(az), "scale_out", reason)?;
+            let before: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
+            let token = self.group_token(group_id)?;
+            self.provision(&group, az, &token, &lease, "scale-out")
+                .await?;
+            // Only this AZ's members are pushed: the others (passed as left
+            // alone) may be in another AZ's workflow. A placement is per AZ, so
+            // leaving them out changes no configuration of this AZ.
+            let other_azs: Vec<String> = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .filter(|n| n.az != az)
+                .map(|n| n.id)
+                .collect();
+            let cloud = self.cloud(&group.spec.cloud)?;
+            self.push_configs(cloud, &group, &token, &other_azs, deadline, &lease)
+                .await?;
+            lease.check()?;
+            self.publish(&group.spec.traffic_distributor_id).await?;
+            self.store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .find(|n| n.az == az && !before.contains(&n.id))
+                .map(|n| n.id)
+                .ok_or_else(|| EngineError::Step {
+                    step: "scale out",
+                    detail: "the new node disappeared".into(),
+                })
+        }
+        .await;
+        lease.release();
+        out
+    }
+
+    /// The scale-in workflow in one AZ, under that AZ's lease: the AZ's newest
+    /// node leaves (out of the distributor, one TTL, drain, deprovision).
+    /// Refused at `min_nodes`. Returns the node's id.
+    pub async fn scale_in_in_az(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
+        let group = self.group_row(group_id)?;
+        let deadline = Instant::now()
+            + group.spec.drain_timeout()
+            + self.ttl_of(&group.spec)?
+            + Duration::from_secs(60);
+        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
+        let out = async {
+            let members: Vec<NodeRow> = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .filter(|n| n.az == az && n.state.is_member())
+                .collect();
+            if members.len() as i64 <= group.spec.min_nodes {
+                return Err(EngineError::Step {
+                    step: "scale in",
+                    detail: format!(
+                        "{az} has {} node(s), min_nodes is {}",
+                        members.len(),
+                        group.spec.min_nodes
+                    ),
+                });
+            }
+            // Nodes are in creation order: the newest leaves.
+            let leaving = members.last().cloned().expect("more than min_nodes");
+            let id = leaving.id.clone();
+            self.scale_in(&group, vec![leaving], deadline, reason, &lease)
+                .await?;
+            Ok(id)
+        }
+        .await;
+        lease.release();
+        out
+    }
+
+    fn group_row(&self, group_id: &str) -> Result<Row<GroupSpec>> {
+        self.store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))
+    }
+}
