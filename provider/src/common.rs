@@ -255,6 +255,51 @@ pub fn requires_replace(changes: &[(&'static str, bool)]) -> Vec<AttributePath> 
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Default)]
 pub struct Number(pub f64);
 
+impl Number {
+    /// The whole number this is, if it is one.
+    pub fn whole(self) -> Option<i64> {
+        (self.0.fract() == 0.0 && self.0.abs() < 9.0e15).then_some(self.0 as i64)
+    }
+}
+
+impl From<i64> for Number {
+    fn from(v: i64) -> Number {
+        Number(v as f64)
+    }
+}
+
+impl std::fmt::Display for Number {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A number attribute that must be whole. It is read as any number, so that
+/// `port = 80.5` reaches validation (which names the attribute and shows the
+/// value) instead of failing to decode; a fraction is a finding here.
+pub fn whole_number(
+    findings: &mut Findings,
+    path: Vec<PathStep>,
+    field: &str,
+    v: &Value<Number>,
+) -> Option<i64> {
+    let n = known(v)?;
+    let whole = n.whole();
+    if whole.is_none() {
+        findings.0.push(Finding::error(
+            path,
+            format!("Invalid {field}"),
+            format!("{field} must be a whole number, got {n}."),
+        ));
+    }
+    whole
+}
+
+/// The value of a whole-number attribute that validation accepted.
+pub fn int(v: &Value<Number>) -> Option<i64> {
+    known(v).and_then(|n| n.whole())
+}
+
 impl serde::Serialize for Number {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         if self.0.is_finite() && self.0.fract() == 0.0 && self.0.abs() < 9.0e15 {
@@ -306,6 +351,29 @@ mod tests {
             let v: Value<Number> = rmp_serde::from_slice(&bytes).unwrap();
             assert_eq!(v, Value::Value(Number(want)));
         }
+    }
+
+    #[test]
+    fn a_whole_number_attribute_shows_a_fraction_as_written() {
+        let mut f = Findings::default();
+        let path = || vec![PathStep::Attr("port")];
+        assert_eq!(
+            whole_number(&mut f, path(), "port", &Value::Value(Number(8080.0))),
+            Some(8080)
+        );
+        assert_eq!(
+            whole_number(&mut f, path(), "port", &Value::Value(Number(-1.0))),
+            Some(-1)
+        );
+        assert!(f.0.is_empty());
+        assert_eq!(
+            whole_number(&mut f, path(), "port", &Value::Value(Number(80.5))),
+            None
+        );
+        assert_eq!(f.0[0].detail, "port must be a whole number, got 80.5.");
+        assert_eq!(f.0[0].path, path());
+        assert_eq!(whole_number(&mut f, path(), "port", &Value::Unknown), None);
+        assert_eq!(f.0.len(), 1, "an unknown value is checked once known");
     }
 
     #[test]

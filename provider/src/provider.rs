@@ -32,9 +32,9 @@ pub struct LocalBlock {
     #[serde(default)]
     pub address_prefix: Value<String>,
     #[serde(default)]
-    pub dns_port: Value<i64>,
+    pub dns_port: Value<Number>,
     #[serde(default)]
-    pub node_api_port: Value<i64>,
+    pub node_api_port: Value<Number>,
     #[serde(default)]
     pub node_binary: Value<String>,
 }
@@ -177,16 +177,21 @@ fn local_settings(config: &ProviderConfig, diags: &mut Diagnostics) -> Option<Lo
         ("node_api_port", &local.node_api_port, &mut s.node_api_port),
     ] {
         if let Some(v) = known(value) {
-            if !(1..=65535).contains(v) {
+            let Some(port) = v.whole().filter(|p| (1..=65535).contains(p)) else {
+                let allowed = if v.whole().is_some() {
+                    "between 1 and 65535"
+                } else {
+                    "a whole number"
+                };
                 error(
                     diags,
                     at(name),
                     format!("Invalid {name}"),
-                    format!("{name} must be between 1 and 65535, got {v}."),
+                    format!("{name} must be {allowed}, got {v}."),
                 );
                 return None;
-            }
-            *slot = *v as u16;
+            };
+            *slot = port as u16;
         }
     }
     s.node_binary = known(&local.node_binary).map(Into::into);

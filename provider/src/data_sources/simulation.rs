@@ -48,9 +48,9 @@ pub struct EventObject {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct State {
     pub availability_zones: Value<Vec<String>>,
-    pub min_nodes: Value<i64>,
-    pub max_nodes: Value<i64>,
-    pub initial_nodes: Value<i64>,
+    pub min_nodes: Value<Number>,
+    pub max_nodes: Value<Number>,
+    pub initial_nodes: Value<Number>,
     pub stats_interval: Value<String>,
     pub watch_time: Value<String>,
     pub cooldown: Value<String>,
@@ -61,7 +61,7 @@ pub struct State {
     pub deprovision_time: Value<String>,
     pub connections_drain_after: Value<String>,
     pub samples: Value<Vec<SampleObject>>,
-    pub until: Value<i64>,
+    pub until: Value<Number>,
     pub threshold: Value<Vec<ThresholdBlock>>,
     pub ticks: Value<Vec<TickObject>>,
     pub events: Value<Vec<EventObject>>,
@@ -89,8 +89,10 @@ fn input_document(s: &State) -> Json {
         ("max_nodes", &s.max_nodes),
         ("initial_nodes", &s.initial_nodes),
     ] {
+        // As written, so that the simulation's check shows a fraction or a
+        // negative value as it is.
         if let Some(n) = known(v) {
-            group.insert(k.into(), json!(n));
+            group.insert(k.into(), json_number(n));
         }
     }
     for (k, v) in [
@@ -155,7 +157,7 @@ fn input_document(s: &State) -> Json {
         "cloud": cloud,
         "connections_drain_after": known(&s.connections_drain_after),
         "samples": samples,
-        "until": known(&s.until),
+        "until": known(&s.until).map(json_number),
     })
 }
 

@@ -30,7 +30,7 @@ pub struct ThresholdBlock {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeBlock {
-    pub memory_limit_mb: Value<i64>,
+    pub memory_limit_mb: Value<Number>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -49,8 +49,8 @@ pub struct State {
     pub cloud: Value<String>,
     pub availability_zones: Value<Vec<String>>,
     pub traffic_distributor_id: Value<String>,
-    pub min_nodes: Value<i64>,
-    pub max_nodes: Value<i64>,
+    pub min_nodes: Value<Number>,
+    pub max_nodes: Value<Number>,
     pub stats_interval: Value<String>,
     pub watch_time: Value<String>,
     pub cooldown: Value<String>,
@@ -98,8 +98,8 @@ impl Defaults {
 }
 
 fn apply_defaults(s: &mut State) {
-    default_to(&mut s.min_nodes, Defaults::MIN_NODES);
-    default_to(&mut s.max_nodes, Defaults::MAX_NODES);
+    default_to(&mut s.min_nodes, Defaults::MIN_NODES.into());
+    default_to(&mut s.max_nodes, Defaults::MAX_NODES.into());
     default_to(&mut s.stats_interval, Defaults::STATS_INTERVAL.into());
     default_to(&mut s.watch_time, Defaults::WATCH_TIME.into());
     default_to(&mut s.cooldown, Defaults::COOLDOWN.into());
@@ -107,7 +107,7 @@ fn apply_defaults(s: &mut State) {
     default_to(&mut s.apply_timeout, Defaults::APPLY_TIMEOUT.into());
     if let Value::Value(nodes) = &mut s.node {
         for n in nodes {
-            default_to(&mut n.memory_limit_mb, Defaults::MEMORY_LIMIT_MB);
+            default_to(&mut n.memory_limit_mb, Defaults::MEMORY_LIMIT_MB.into());
         }
     }
 }
@@ -120,8 +120,8 @@ fn state_of(v: &GroupView) -> State {
         cloud: Value::Value(s.cloud.clone()),
         availability_zones: Value::Value(s.availability_zones.clone()),
         traffic_distributor_id: Value::Value(s.traffic_distributor_id.clone()),
-        min_nodes: Value::Value(s.min_nodes),
-        max_nodes: Value::Value(s.max_nodes),
+        min_nodes: Value::Value(s.min_nodes.into()),
+        max_nodes: Value::Value(s.max_nodes.into()),
         stats_interval: Value::Value(s.stats_interval.clone()),
         watch_time: Value::Value(s.watch_time.clone()),
         cooldown: Value::Value(s.cooldown.clone()),
@@ -141,7 +141,7 @@ fn state_of(v: &GroupView) -> State {
             s.node
                 .iter()
                 .map(|n| NodeBlock {
-                    memory_limit_mb: Value::Value(n.memory_limit_mb),
+                    memory_limit_mb: Value::Value(n.memory_limit_mb.into()),
                 })
                 .collect(),
         ),
@@ -156,8 +156,8 @@ fn needs_healing(s: &State) -> bool {
     let (Some(nodes), Some(zones), Some(min), Some(max)) = (
         known(&s.nodes),
         known(&s.availability_zones),
-        known(&s.min_nodes),
-        known(&s.max_nodes),
+        int(&s.min_nodes),
+        int(&s.max_nodes),
     ) else {
         return false;
     };
@@ -172,7 +172,7 @@ fn needs_healing(s: &State) -> bool {
             .iter()
             .filter(|n| known(&n.availability_zone) == Some(z))
             .count() as i64;
-        c < *min || c > *max
+        c < min || c > max
     })
 }
 
@@ -257,17 +257,16 @@ impl ManagedObject for Group {
         if let Some(z) = known(&s.availability_zones) {
             f.availability_zones(z);
         }
-        let bound = |v: &Value<i64>, d| {
+        let mut bound = |name: &'static str, v: &Value<Number>, d| {
             if v.is_null() {
                 Some(d)
             } else {
-                known(v).copied()
+                whole_number(&mut f, vec![PathStep::Attr(name)], name, v)
             }
         };
-        f.node_bounds(
-            bound(&s.min_nodes, Defaults::MIN_NODES),
-            bound(&s.max_nodes, Defaults::MAX_NODES),
-        );
+        let min = bound("min_nodes", &s.min_nodes, Defaults::MIN_NODES);
+        let max = bound("max_nodes", &s.max_nodes, Defaults::MAX_NODES);
+        f.node_bounds(min, max);
         let text = |v: &Value<String>, d: &str| {
             if v.is_null() {
                 Some(d.to_string())
@@ -308,14 +307,21 @@ impl ManagedObject for Group {
         }
         if let Some(nodes) = known(&s.node) {
             for (i, n) in nodes.iter().enumerate() {
-                if let Some(m) = known(&n.memory_limit_mb) {
-                    if !(32..=65536).contains(m) {
+                let at = vec![
+                    PathStep::Attr("node"),
+                    PathStep::Index(i),
+                    PathStep::Attr("memory_limit_mb"),
+                ];
+                let m = whole_number(
+                    &mut f,
+                    at.clone(),
+                    "node.memory_limit_mb",
+                    &n.memory_limit_mb,
+                );
+                if let Some(m) = m {
+                    if !(32..=65536).contains(&m) {
                         f.0.push(lbscale_engine::model::Finding::error(
-                            vec![
-                                PathStep::Attr("node"),
-                                PathStep::Index(i),
-                                PathStep::Attr("memory_limit_mb"),
-                            ],
+                            at,
                             "Invalid memory_limit_mb",
                             format!("node.memory_limit_mb must be between 32 and 65536, got {m}."),
                         ));
@@ -336,8 +342,8 @@ impl ManagedObject for Group {
             cloud: string(&s.cloud),
             availability_zones: known(&s.availability_zones).cloned().unwrap_or_default(),
             traffic_distributor_id: string(&s.traffic_distributor_id),
-            min_nodes: known(&s.min_nodes).copied().unwrap_or(Defaults::MIN_NODES),
-            max_nodes: known(&s.max_nodes).copied().unwrap_or(Defaults::MAX_NODES),
+            min_nodes: int(&s.min_nodes).unwrap_or(Defaults::MIN_NODES),
+            max_nodes: int(&s.max_nodes).unwrap_or(Defaults::MAX_NODES),
             stats_interval: string(&s.stats_interval),
             watch_time: string(&s.watch_time),
             cooldown: string(&s.cooldown),
@@ -357,9 +363,7 @@ impl ManagedObject for Group {
             node: known(&s.node)
                 .and_then(|n| n.first())
                 .map(|n| NodeSizeSpec {
-                    memory_limit_mb: known(&n.memory_limit_mb)
-                        .copied()
-                        .unwrap_or(Defaults::MEMORY_LIMIT_MB),
+                    memory_limit_mb: int(&n.memory_limit_mb).unwrap_or(Defaults::MEMORY_LIMIT_MB),
                 }),
         }
     }

@@ -19,19 +19,19 @@ pub struct State {
     pub name: Value<String>,
     pub autoscale_group_id: Value<String>,
     pub scaling_mode: Value<String>,
-    pub min_scaleout_per_vs: Value<i64>,
-    pub max_scaleout_per_vs: Value<i64>,
+    pub min_scaleout_per_vs: Value<Number>,
+    pub max_scaleout_per_vs: Value<Number>,
     pub vs_scalein_timeout: Value<String>,
-    pub se_tunnel_mode: Value<i64>,
+    pub se_tunnel_mode: Value<Number>,
     pub primary_forwarding_cost: Value<Number>,
 }
 
 fn apply_defaults(s: &mut State) {
     default_to(&mut s.scaling_mode, "native".into());
-    default_to(&mut s.min_scaleout_per_vs, 1);
-    default_to(&mut s.max_scaleout_per_vs, 4);
+    default_to(&mut s.min_scaleout_per_vs, 1.into());
+    default_to(&mut s.max_scaleout_per_vs, 4.into());
     default_to(&mut s.vs_scalein_timeout, "30s".into());
-    default_to(&mut s.se_tunnel_mode, 0);
+    default_to(&mut s.se_tunnel_mode, 0.into());
     default_to(&mut s.primary_forwarding_cost, Number(0.3));
 }
 
@@ -82,16 +82,15 @@ impl ManagedObject for SeGroup {
                 SCALING_MODES,
             );
         }
-        let min = if s.min_scaleout_per_vs.is_null() {
-            Some(1)
-        } else {
-            known(&s.min_scaleout_per_vs).copied()
+        let mut bound = |name: &'static str, v: &Value<Number>, d| {
+            if v.is_null() {
+                Some(d)
+            } else {
+                whole_number(&mut f, vec![PathStep::Attr(name)], name, v)
+            }
         };
-        let max = if s.max_scaleout_per_vs.is_null() {
-            Some(4)
-        } else {
-            known(&s.max_scaleout_per_vs).copied()
-        };
+        let min = bound("min_scaleout_per_vs", &s.min_scaleout_per_vs, 1);
+        let max = bound("max_scaleout_per_vs", &s.max_scaleout_per_vs, 4);
         if let Some(v) = min {
             f.range(
                 vec![PathStep::Attr("min_scaleout_per_vs")],
@@ -126,14 +125,9 @@ impl ManagedObject for SeGroup {
                 t,
             );
         }
-        if let Some(m) = known(&s.se_tunnel_mode) {
-            f.range(
-                vec![PathStep::Attr("se_tunnel_mode")],
-                "se_tunnel_mode",
-                *m,
-                0,
-                2,
-            );
+        let at = || vec![PathStep::Attr("se_tunnel_mode")];
+        if let Some(m) = whole_number(&mut f, at(), "se_tunnel_mode", &s.se_tunnel_mode) {
+            f.range(at(), "se_tunnel_mode", m, 0, 2);
         }
         if let Some(Number(c)) = known(&s.primary_forwarding_cost) {
             if !(*c > 0.0 && *c < 1.0) {
@@ -158,10 +152,10 @@ impl ManagedObject for SeGroup {
             name: string(&s.name),
             autoscale_group_id: string(&s.autoscale_group_id),
             scaling_mode: string(&s.scaling_mode),
-            min_scaleout_per_vs: known(&s.min_scaleout_per_vs).copied().unwrap_or(1),
-            max_scaleout_per_vs: known(&s.max_scaleout_per_vs).copied().unwrap_or(4),
+            min_scaleout_per_vs: int(&s.min_scaleout_per_vs).unwrap_or(1),
+            max_scaleout_per_vs: int(&s.max_scaleout_per_vs).unwrap_or(4),
             vs_scalein_timeout: string(&s.vs_scalein_timeout),
-            se_tunnel_mode: known(&s.se_tunnel_mode).copied().unwrap_or(0),
+            se_tunnel_mode: int(&s.se_tunnel_mode).unwrap_or(0),
             primary_forwarding_cost: known(&s.primary_forwarding_cost).map_or(0.3, |n| n.0),
         }
     }
@@ -199,10 +193,10 @@ impl ManagedObject for SeGroup {
             name: Value::Value(r.spec.name),
             autoscale_group_id: Value::Value(r.spec.autoscale_group_id),
             scaling_mode: Value::Value(r.spec.scaling_mode),
-            min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs),
-            max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs),
+            min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs.into()),
+            max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs.into()),
             vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout),
-            se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode),
+            se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode.into()),
             primary_forwarding_cost: Value::Value(Number(r.spec.primary_forwarding_cost)),
         }))
     }

@@ -22,16 +22,16 @@ pub struct Vserver;
 pub struct ServiceBlock {
     pub name: Value<String>,
     pub address: Value<String>,
-    pub port: Value<i64>,
-    pub weight: Value<i64>,
+    pub port: Value<Number>,
+    pub weight: Value<Number>,
     pub enabled: Value<bool>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SlowStartBlock {
-    pub new_service_request: Value<i64>,
+    pub new_service_request: Value<Number>,
     pub unit: Value<String>,
-    pub increment_interval: Value<i64>,
+    pub increment_interval: Value<Number>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -40,7 +40,7 @@ pub struct State {
     pub name: Value<String>,
     pub se_group_id: Value<String>,
     pub service_type: Value<String>,
-    pub port: Value<i64>,
+    pub port: Value<Number>,
     pub lb_method: Value<String>,
     pub persistence: Value<String>,
     pub service: Value<Vec<ServiceBlock>>,
@@ -54,15 +54,15 @@ fn apply_defaults(s: &mut State) {
     default_to(&mut s.persistence, "NONE".into());
     if let Value::Value(services) = &mut s.service {
         for svc in services {
-            default_to(&mut svc.weight, 1);
+            default_to(&mut svc.weight, 1.into());
             default_to(&mut svc.enabled, true);
         }
     }
     if let Value::Value(ss) = &mut s.slow_start {
         for b in ss {
-            default_to(&mut b.new_service_request, 0);
+            default_to(&mut b.new_service_request, 0.into());
             default_to(&mut b.unit, "PER_SECOND".into());
-            default_to(&mut b.increment_interval, 0);
+            default_to(&mut b.increment_interval, 0.into());
         }
     }
 }
@@ -83,9 +83,9 @@ fn summary(s: &State) -> Value<String> {
     }
     Value::Value(format!(
         "New Service Startup Request Rate: {} {}, Increment Interval: {}",
-        known(&b.new_service_request).copied().unwrap_or(0),
+        int(&b.new_service_request).unwrap_or(0),
         known(&b.unit).map(String::as_str).unwrap_or("PER_SECOND"),
-        known(&b.increment_interval).copied().unwrap_or(0),
+        int(&b.increment_interval).unwrap_or(0),
     ))
 }
 
@@ -95,7 +95,7 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
         name: Value::Value(spec.name),
         se_group_id: Value::Value(spec.se_group_id),
         service_type: Value::Value(spec.service_type),
-        port: Value::Value(spec.port),
+        port: Value::Value(spec.port.into()),
         lb_method: Value::Value(spec.lb_method),
         persistence: Value::Value(spec.persistence),
         service: Value::Value(
@@ -104,8 +104,8 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
                 .map(|svc| ServiceBlock {
                     name: Value::Value(svc.name),
                     address: Value::Value(svc.address),
-                    port: Value::Value(svc.port),
-                    weight: Value::Value(svc.weight),
+                    port: Value::Value(svc.port.into()),
+                    weight: Value::Value(svc.weight.into()),
                     enabled: Value::Value(svc.enabled),
                 })
                 .collect(),
@@ -114,9 +114,9 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
             spec.slow_start
                 .into_iter()
                 .map(|b| SlowStartBlock {
-                    new_service_request: Value::Value(b.new_service_request),
+                    new_service_request: Value::Value(b.new_service_request.into()),
                     unit: Value::Value(b.unit),
-                    increment_interval: Value::Value(b.increment_interval),
+                    increment_interval: Value::Value(b.increment_interval.into()),
                 })
                 .collect(),
         ),
@@ -201,8 +201,8 @@ impl ManagedObject for Vserver {
                 SERVICE_TYPES,
             );
         }
-        if let Some(p) = known(&s.port) {
-            f.range(vec![PathStep::Attr("port")], "port", *p, 1, 65535);
+        if let Some(p) = whole_number(&mut f, vec![PathStep::Attr("port")], "port", &s.port) {
+            f.range(vec![PathStep::Attr("port")], "port", p, 1, 65535);
         }
         if let Some(m) = known(&s.lb_method) {
             f.one_of(
@@ -232,11 +232,11 @@ impl ManagedObject for Vserver {
                         PathStep::Attr(a),
                     ]
                 };
-                if let Some(p) = known(&svc.port) {
-                    f.range(at("port"), "service.port", *p, 1, 65535);
+                if let Some(p) = whole_number(&mut f, at("port"), "service.port", &svc.port) {
+                    f.range(at("port"), "service.port", p, 1, 65535);
                 }
-                if let Some(w) = known(&svc.weight) {
-                    f.range(at("weight"), "service.weight", *w, 1, 100);
+                if let Some(w) = whole_number(&mut f, at("weight"), "service.weight", &svc.weight) {
+                    f.range(at("weight"), "service.weight", w, 1, 100);
                 }
                 if let Some(a) = known(&svc.address) {
                     if a.is_empty() {
@@ -263,8 +263,14 @@ impl ManagedObject for Vserver {
                         PathStep::Attr(a),
                     ]
                 };
-                if let Some(r) = known(&b.new_service_request) {
-                    if *r < 0 {
+                let request = "slow_start.new_service_request";
+                if let Some(r) = whole_number(
+                    &mut f,
+                    at("new_service_request"),
+                    request,
+                    &b.new_service_request,
+                ) {
+                    if r < 0 {
                         f.0.push(Finding::error(
                             at("new_service_request"),
                             "Invalid new_service_request",
@@ -275,14 +281,14 @@ impl ManagedObject for Vserver {
                 if let Some(u) = known(&b.unit) {
                     f.one_of(at("unit"), "slow_start.unit", u, SLOW_START_UNITS);
                 }
-                if let Some(iv) = known(&b.increment_interval) {
-                    f.range(
-                        at("increment_interval"),
-                        "slow_start.increment_interval",
-                        *iv,
-                        0,
-                        3600,
-                    );
+                let interval = "slow_start.increment_interval";
+                if let Some(iv) = whole_number(
+                    &mut f,
+                    at("increment_interval"),
+                    interval,
+                    &b.increment_interval,
+                ) {
+                    f.range(at("increment_interval"), interval, iv, 0, 3600);
                 }
             }
         }
@@ -298,7 +304,7 @@ impl ManagedObject for Vserver {
             name: string(&s.name),
             se_group_id: string(&s.se_group_id),
             service_type: string(&s.service_type),
-            port: known(&s.port).copied().unwrap_or(0),
+            port: int(&s.port).unwrap_or(0),
             lb_method: string(&s.lb_method),
             persistence: string(&s.persistence),
             services: known(&s.service)
@@ -307,8 +313,8 @@ impl ManagedObject for Vserver {
                         .map(|svc| ServiceSpec {
                             name: string(&svc.name),
                             address: string(&svc.address),
-                            port: known(&svc.port).copied().unwrap_or(0),
-                            weight: known(&svc.weight).copied().unwrap_or(1),
+                            port: int(&svc.port).unwrap_or(0),
+                            weight: int(&svc.weight).unwrap_or(1),
                             enabled: known(&svc.enabled).copied().unwrap_or(true),
                         })
                         .collect()
@@ -317,11 +323,11 @@ impl ManagedObject for Vserver {
             slow_start: known(&s.slow_start)
                 .and_then(|v| v.first())
                 .map(|b| SlowStartSpec {
-                    new_service_request: known(&b.new_service_request).copied().unwrap_or(0),
+                    new_service_request: int(&b.new_service_request).unwrap_or(0),
                     unit: known(&b.unit)
                         .cloned()
                         .unwrap_or_else(|| "PER_SECOND".into()),
-                    increment_interval: known(&b.increment_interval).copied().unwrap_or(0),
+                    increment_interval: int(&b.increment_interval).unwrap_or(0),
                 }),
         }
     }

@@ -182,11 +182,17 @@ async fn computed_values_under(tf: &TerraformCli, octet: u8) {
         .await
         .unwrap();
     let o = ws.plan();
-    assert_eq!(o.code, 0, "terraform {label}: plan after a scale-out:\n{}", o.all());
+    assert_eq!(
+        o.code,
+        0,
+        "terraform {label}: plan after a scale-out:\n{}",
+        o.all()
+    );
     // Only the group's `nodes`/`node_count`, which are "nodes serving now",
     // may be reported moved, and only by Terraform before 1.2 (which notes
     // every refreshed change, relevant to the plan or not).
     let moved = drifted(&o);
+    eprintln!("terraform {label}: after a scale-out the plan notes changes to {moved:?}");
     let allowed: &[&str] = if tf.at_least(1, 2) {
         &[]
     } else {
@@ -226,7 +232,12 @@ async fn computed_values_under(tf: &TerraformCli, octet: u8) {
         .unwrap();
     assert_eq!(removed, added, "the newest node leaves first");
     let o = ws.plan();
-    assert_eq!(o.code, 0, "terraform {label}: plan after a scale-in:\n{}", o.all());
+    assert_eq!(
+        o.code,
+        0,
+        "terraform {label}: plan after a scale-in:\n{}",
+        o.all()
+    );
     let moved = drifted(&o);
     assert!(
         moved.iter().all(|m| allowed.contains(&m.as_str())),
@@ -296,9 +307,10 @@ data "lbscale_traffic_distributor" "d" {
     assert_eq!(o.code, 1, "{}", o.all());
     let d = diagnostics(&o.all());
     assert!(
-        d.iter().any(|d| d.summary == "Traffic distributor not found"
-            && d.text.contains("no traffic distributor named \"nowhere\"")
-            && d.line == Some(line_of(&ws, "# missing"))),
+        d.iter()
+            .any(|d| d.summary == "Traffic distributor not found"
+                && d.text.contains("no traffic distributor named \"nowhere\"")
+                && d.line == Some(line_of(&ws, "# missing"))),
         "{d:?}"
     );
 }

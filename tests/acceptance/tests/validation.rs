@@ -184,6 +184,42 @@ resource "lbscale_vserver" "negative" {
   }
 }
 
+# Whole numbers given a fraction: refused by name, showing it.
+resource "lbscale_autoscale_group" "fractional" {
+  name                   = "fractional"
+  cloud                  = "local"
+  availability_zones     = ["az1"]
+  traffic_distributor_id = "td-x"
+  min_nodes              = 1.5 # fractional min
+  threshold {
+    metric = "cpu"
+    min    = 1
+    max    = 2
+  }
+  node {
+    memory_limit_mb = 100.5 # fractional memory
+  }
+}
+
+resource "lbscale_se_group" "fractional" {
+  name               = "fractional-se"
+  autoscale_group_id = "asg-x"
+  se_tunnel_mode     = 0.5 # fractional tunnel
+}
+
+resource "lbscale_vserver" "fractional" {
+  name         = "fractional"
+  se_group_id  = "seg-x"
+  service_type = "TCP"
+  port         = 80.5 # fractional port
+  service {
+    name    = "a"
+    address = "127.0.0.1"
+    port    = 8080
+    weight  = 1.5 # fractional weight
+  }
+}
+
 resource "lbscale_vserver" "cookie" {
   name         = "cookie"
   se_group_id  = "seg-x"
@@ -214,6 +250,11 @@ resource "lbscale_vserver" "cookie" {
             ("# negative weight", "service.weight must be between 1 and 100, got -3."),
             ("# negative request", "slow_start.new_service_request must be 0 or more, got -5."),
             ("# negative interval", "slow_start.increment_interval must be between 0 and 3600, got -10."),
+            ("# fractional min", "min_nodes must be a whole number, got 1.5."),
+            ("# fractional memory", "node.memory_limit_mb must be a whole number, got 100.5."),
+            ("# fractional tunnel", "se_tunnel_mode must be a whole number, got 0.5."),
+            ("# fractional port", "port must be a whole number, got 80.5."),
+            ("# fractional weight", "service.weight must be a whole number, got 1.5."),
             ("# watch_time", "watch_time: must be a positive multiple of stats_interval (60s), got 90s"),
             ("# memory min", "threshold[0].min: must be below max (80), got 90"),
             ("# duplicate", "threshold[2].metric: must name a metric that no other threshold block sets (cpu is set by"),
@@ -268,6 +309,22 @@ resource "lbscale_vserver" "sticky" {{
   }}
 }}
 
+data "lbscale_scaling_simulation" "negative" {{
+  availability_zones = ["az1"]
+  min_nodes          = -1 # simulation min
+  watch_time         = "3m"
+  cooldown           = "10m"
+  drain_timeout      = "1m"
+  distributor        = "nlb"
+  threshold {{
+    metric = "cpu"
+    min    = 10
+    max    = 70
+  }}
+  samples = []
+  until   = 60
+}}
+
 resource "lbscale_autoscale_group" "other" {{
   name                   = "other"
   cloud                  = "gcp" # cloud
@@ -286,7 +343,10 @@ resource "lbscale_autoscale_group" "other" {{
     check(
         &ws,
         &out,
-        &[("# udp", "UDP applications need a dns traffic distributor")],
+        &[
+            ("# udp", "UDP applications need a dns traffic distributor"),
+            ("# simulation min", "group.min_nodes: must be a whole number from 0 to 4294967295, got -1"),
+        ],
         "error",
     );
     check(
