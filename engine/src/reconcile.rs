@@ -232,6 +232,36 @@ impl Drop for KeptLease {
     }
 }
 
+/// How long a destroy waits for the objects that still use the one it removes.
+/// Terraform destroys them in the same run, in parallel when the configuration
+/// names them by a literal id (as `terraform plan -generate-config-out` writes
+/// it), which gives Terraform no order between them.
+const IN_USE_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits until `users` (the names of what still uses `what`) is empty, at most
+/// [`IN_USE_WAIT`]; then refuses, naming them.
+async fn wait_unused(
+    what: String,
+    kind: &str,
+    users: impl Fn() -> Result<Vec<String>>,
+) -> Result<()> {
+    let deadline = Instant::now() + IN_USE_WAIT;
+    loop {
+        let names = users()?;
+        if names.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(EngineError::InUse(format!(
+                "{what} still has {kind}(s) {} after waiting {}s for their destroy; destroy them first",
+                names.join(", "),
+                IN_USE_WAIT.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 fn new_id(prefix: &str) -> String {
     format!("{prefix}-{:08x}", rand::random::<u32>())
 }
@@ -517,15 +547,11 @@ impl Engine {
         let Some(group) = self.store.group(id)? else {
             return Ok(());
         };
-        let se_groups = self.store.se_groups_of_group(id)?;
-        if !se_groups.is_empty() {
-            let names: Vec<_> = se_groups.iter().map(|s| s.spec.name.as_str()).collect();
-            return Err(EngineError::InUse(format!(
-                "autoscale group {:?} still has SE group(s) {}; destroy them first",
-                group.spec.name,
-                names.join(", ")
-            )));
-        }
+        let name = &group.spec.name;
+        wait_unused(format!("autoscale group {name:?}"), "SE group", || {
+            Ok(self.store.se_groups_of_group(id)?.into_iter().map(|s| s.spec.name).collect())
+        })
+        .await?;
         // Destroy may take the TTL plus a full drain: bound it by those, not apply_timeout.
         let budget =
             group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
@@ -1726,15 +1752,10 @@ impl Engine {
         let Some(row) = self.store.se_group(id)? else {
             return Ok(());
         };
-        let vs = self.store.vservers_of_se_group(id)?;
-        if !vs.is_empty() {
-            let names: Vec<_> = vs.iter().map(|v| v.spec.name.as_str()).collect();
-            return Err(EngineError::InUse(format!(
-                "SE group {:?} still has vserver(s) {}; destroy them first",
-                row.spec.name,
-                names.join(", ")
-            )));
-        }
+        wait_unused(format!("SE group {:?}", row.spec.name), "vserver", || {
+            Ok(self.store.vservers_of_se_group(id)?.into_iter().map(|v| v.spec.name).collect())
+        })
+        .await?;
         self.store.delete_se_group(id)?;
         Ok(())
     }
