@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Puts protoc and its well-known types (google/protobuf/*.proto) into
-# <repo>/.tools/protoc/{bin,include}, where .cargo/config.toml points PROTOC.
+# <repo>/.tools/protoc/{bin,include}, which scripts/protoc runs (.cargo/config.toml points PROTOC there).
 # They come from crates.io's protoc-bin-vendored crate at the version pinned in
 # Cargo.lock (lbscale-proto's build dependency), so a machine needs no system
 # protoc (Debian's protobuf-compiler without libprotobuf-dev lacks the includes).

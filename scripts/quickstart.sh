@@ -205,8 +205,15 @@ step "terraform init: lbscale/lbscale from the mirror (offline, $TF_CLI_CONFIG_F
 # ones an earlier run's lock file pinned: start from a fresh lock. (A user of a
 # released version keeps the lock, and init checks the package against it.)
 rm -rf "$example/.terraform" "$example/.terraform.lock.hcl"
-timeout 120 "$terraform" -chdir="$example" init -input=false -no-color >"$work/init.log" 2>&1 ||
-  { cat "$work/init.log" >&2; die "terraform init could not install lbscale/lbscale from $mirror (error above): package it there again with ./scripts/package-provider.sh --bin-dir target/debug --mirror $mirror; if examples/quickstart/.terraform.lock.hcl pins another build, delete it"; }
+if ! timeout 120 "$terraform" -chdir="$example" init -input=false -no-color >"$work/init.log" 2>&1; then
+  cat "$work/init.log" >&2
+  if grep -q "cannot search" "$work/init.log"; then
+    die "there is no mirror at $mirror: make it with ./scripts/package-provider.sh --bin-dir target/debug --mirror $mirror"
+  elif grep -q "checksums" "$work/init.log"; then
+    die "the mirror's package is not the build examples/quickstart/.terraform.lock.hcl pins: delete that lock file (a new build of the same version has new hashes), or package the pinned build again"
+  fi
+  die "terraform init could not install lbscale/lbscale from $mirror (error above, log $work/init.log): package it there again with ./scripts/package-provider.sh --bin-dir target/debug --mirror $mirror"
+fi
 grep -E '^- (Installing|Installed)' "$work/init.log" | sed 's/^/    /'
 lock_hash=$(grep -o '"h1:[^"]*"' "$example/.terraform.lock.hcl" | tr -d '"' || true)
 [ -n "$lock_hash" ] || die "terraform init wrote no h1: hash into examples/quickstart/.terraform.lock.hcl"

@@ -130,6 +130,47 @@ pub const AWS_ENV: [&str; 9] = [
     "LBSCALE_AWS_INSTANCE_TYPE",
 ];
 
+/// The longest a Terraform command of a test may run (an apply waits for nodes,
+/// a destroy for drains: both bounded far below this by the tests' settings).
+pub const TERRAFORM_LIMIT: Duration = Duration::from_secs(15 * 60);
+
+/// Runs `cmd` to its end like [`Command::output`], killing it after `limit`
+/// with a panic that names `what`: a hung command must not hang the suite.
+pub fn output_within(cmd: &mut Command, limit: Duration, what: &str) -> std::process::Output {
+    let mut child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not start {what}: {e}"));
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for a child") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("timed out after {}s waiting for {what} to end", limit.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
 pub struct Output {
     pub code: i32,
     pub stdout: String,
@@ -258,9 +299,8 @@ provider "lbscale" {{{}
             .env("TF_IN_AUTOMATION", "1")
             // A belt only: the provider itself must never report a backtrace.
             .env_remove("RUST_BACKTRACE")
-            .env_remove("TF_LOG")
-            .output()
-            .expect("run terraform");
+            .env_remove("TF_LOG");
+        let out = output_within(&mut cmd, TERRAFORM_LIMIT, &format!("terraform {}", args.join(" ")));
         Output {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -281,9 +321,9 @@ provider "lbscale" {{{}
         self.tf(&["plan", "-detailed-exitcode", "-no-color", "-input=false"])
     }
 
-    /// No resource changes. Outputs that read computed attributes of the
-    /// distributor (its endpoints, the VIPs) may move when later resources of the
-    /// same apply register nodes; that is reported as an output change only.
+    /// No resource changes. An output may still change: one that reads a group's
+    /// live `nodes` moves when the daemon (or a test through the engine) scales;
+    /// that is reported as an output change only.
     pub fn assert_plan_empty(&self, when: &str) {
         let o = self.plan();
         assert!(
@@ -303,8 +343,8 @@ provider "lbscale" {{{}
         o
     }
 
-    /// The JSON of `terraform output -json`, after a refresh (the distributor's
-    /// computed values move as later resources register nodes).
+    /// The JSON of `terraform output -json`, after a refresh (a group's live
+    /// `nodes` move when it scales between applies).
     pub fn outputs(&self) -> Value {
         let o = self.tf(&[
             "apply",
@@ -722,7 +762,7 @@ impl Workspace {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let out = cmd.output().expect("run terraform");
+        let out = output_within(&mut cmd, TERRAFORM_LIMIT, &format!("terraform {}", args.join(" ")));
         Output {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -8,6 +8,7 @@ use lbscale_acceptance::*;
 use lbscale_cloud_aws::sigv4::sha256_hex;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -21,15 +22,15 @@ fn version() -> &'static str {
 /// scripts/package-provider.sh on the binaries in `bin`, into `out/mirror` and
 /// `out/dist`.
 fn package(bin: &Path, out: &Path) -> Output {
-    let o = Command::new(repo().join("scripts/package-provider.sh"))
-        .arg("--bin-dir")
+    let mut cmd = Command::new(repo().join("scripts/package-provider.sh"));
+    cmd.arg("--bin-dir")
         .arg(bin)
         .arg("--mirror")
         .arg(out.join("mirror"))
         .arg("--dist")
-        .arg(out.join("dist"))
-        .output()
-        .expect("run scripts/package-provider.sh");
+        .arg(out.join("dist"));
+    // --bin-dir builds nothing: a few seconds of zipping.
+    let o = output_within(&mut cmd, Duration::from_secs(300), "scripts/package-provider.sh");
     Output {
         code: o.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
