@@ -7,6 +7,8 @@
 #     time, and no system protoc is needed;
 #   - dig (dnsutils), curl: the quickstart and the tests query the local DNS
 #     distributor and the vservers with real clients;
+#   - systemd-analyze (systemd; it need not be running): the daemon's unit in
+#     examples/systemd is checked with it;
 #   - Terraform 1.0.3, into .tools/bin (scripts/install-terraform.sh).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
