@@ -8,8 +8,11 @@
 //! - [`nodeapi`]: the client of a node's management API;
 //! - [`placement`]: which nodes hold a vserver, and who forwards to whom;
 //! - [`fault`]: a test hook that aborts the process at a named workflow step;
-//! - [`reconcile`]: apply-time reconciliation of one group: level-triggered, it
-//!   reads what is declared and what is observed and closes the gap.
+//! - [`reconcile`]: the [`Engine`], one module per job (groups, scale-out,
+//!   scale-in and drain, join and configuration push, spans, distributors, SE
+//!   groups, vservers, leases): level-triggered, it reads what is declared and
+//!   what is observed and closes the gap;
+//! - [`daemon_api`]: what the daemon asks of the engine.
 //!
 //! The decisions themselves (threshold policy, slow start, SE plan) live in
 //! `lbscale-core`, which has no I/O.

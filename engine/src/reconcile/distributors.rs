@@ -1,0 +1,197 @@
+//! Traffic distributors: create, update, delete, view, and the publication of
+//! what each hands out (the registered nodes and the vservers' ports).
+
+use super::{new_id, Engine, EngineError, Result};
+use crate::cloud::{Distributor, Publication};
+use crate::model::DistributorSpec;
+use crate::store::{distributor_lease_key, NodeRow};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct DistributorView {
+    pub id: String,
+    pub spec: DistributorSpec,
+    pub endpoints: Vec<String>,
+    pub address: BTreeMap<String, String>,
+}
+
+/// How long a publication waits for another process's publication to the same
+/// distributor (each takes at most the driver's own publish timeout: a Route 53
+/// change may take two minutes to be in sync, plus its calls' retries).
+const PUBLISH_LEASE_WAIT: Duration = Duration::from_secs(300);
+
+impl Engine {
+    fn distributor_driver(&self, cloud: &str) -> Result<&dyn Distributor> {
+        Ok(self.clouds.distributors(cloud)?)
+    }
+
+    pub async fn create_distributor(&self, spec: &DistributorSpec) -> Result<String> {
+        let driver = self.distributor_driver(&spec.cloud)?;
+        let id = new_id("td");
+        self.store.insert_distributor(&id, spec)?;
+        driver.publish(&id, spec, &Publication::default()).await?;
+        Ok(id)
+    }
+
+    pub async fn update_distributor(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
+        self.store.update_distributor(id, spec)?;
+        self.publish(id).await
+    }
+
+    /// Stops the distributor and forgets it. Groups that still name it keep
+    /// serving through their nodes; Terraform replaces a distributor by destroying
+    /// it before the groups move to the new one, so this is not refused. A group
+    /// left pointing at a distributor that is gone gets a plan-time error.
+    pub async fn delete_distributor(&self, id: &str) -> Result<()> {
+        let Some(row) = self.store.distributor(id)? else {
+            return Ok(());
+        };
+        for g in self.store.groups_of_distributor(id)? {
+            self.store.record_event(
+                &g.id,
+                None,
+                "distributor_removed",
+                &format!("traffic distributor {:?} destroyed", row.spec.name),
+            )?;
+        }
+        // Under the distributor's lease: a publication in flight (the daemon's)
+        // must not restart the process that this removes.
+        let turn = self
+            .lease(
+                &distributor_lease_key(id),
+                Instant::now() + PUBLISH_LEASE_WAIT,
+            )
+            .await?;
+        self.distributor_driver(&row.spec.cloud)?.remove(id).await?;
+        // Deletes the lease row too.
+        self.store.delete_distributor(id)?;
+        drop(turn);
+        Ok(())
+    }
+
+    pub fn distributor_view(&self, id: &str) -> Result<Option<DistributorView>> {
+        let Some(row) = self.store.distributor(id)? else {
+            return Ok(None);
+        };
+        let driver = self.distributor_driver(&row.spec.cloud)?;
+        let publication = self.publication(id)?;
+        Ok(Some(DistributorView {
+            endpoints: publication.endpoints.values().flatten().cloned().collect(),
+            address: driver.addresses(id, &row.spec),
+            id: row.id,
+            spec: row.spec,
+        }))
+    }
+
+    /// What the distributor must hand out now: every registered node of every group
+    /// that uses it, and the ports of the vservers placed on those groups.
+    fn publication(&self, distributor_id: &str) -> Result<Publication> {
+        let mut p = Publication::default();
+        // Clients resolve a `dns` distributor's name to the nodes' public
+        // addresses (where the cloud gives them one); an `nlb` reaches them on
+        // their private ones.
+        let dns = self
+            .store
+            .distributor(distributor_id)?
+            .is_some_and(|d| d.spec.mode == "dns");
+        for g in self.store.groups_of_distributor(distributor_id)? {
+            let mut ports: Vec<u16> = self
+                .store
+                .vservers_of_group(&g.id)?
+                .iter()
+                .filter(|v| v.spec.service_type != "UDP")
+                .map(|v| v.spec.port as u16)
+                .collect();
+            ports.sort_unstable();
+            ports.dedup();
+            for az in &g.spec.availability_zones {
+                p.endpoints.entry(az.clone()).or_default();
+                let e = p.ports.entry(az.clone()).or_default();
+                e.extend(&ports);
+                e.sort_unstable();
+                e.dedup();
+            }
+            let nodes = self.store.nodes_of_group(&g.id)?;
+            let registered: Vec<&NodeRow> = nodes.iter().filter(|n| n.registered).collect();
+            for n in &registered {
+                p.endpoints
+                    .entry(n.az.clone())
+                    .or_default()
+                    .push(match (&n.public_ip, dns) {
+                        (Some(public), true) => public.clone(),
+                        _ => n.private_ip.clone(),
+                    });
+            }
+            // SE scale-out: a port goes to its primary, or to its holders by flow
+            // hash. Vservers of several groups on one port share it.
+            let ports_of: BTreeMap<String, u16> = self
+                .store
+                .vservers_of_group(&g.id)?
+                .into_iter()
+                .filter(|v| v.spec.service_type != "UDP")
+                .map(|v| (v.spec.name, v.spec.port as u16))
+                .collect();
+            for ((vserver, az), placed) in self.placements(&g, &registered)? {
+                let Some(port) = ports_of.get(&vserver) else {
+                    continue;
+                };
+                let t = p
+                    .port_targets
+                    .entry(az)
+                    .or_default()
+                    .entry(*port)
+                    .or_default();
+                for a in placed.targets {
+                    if !t.addresses.contains(&a) {
+                        t.addresses.push(a);
+                    }
+                }
+                // Groups sharing a port: flow hash wins over primary-first, which
+                // wins over round robin.
+                t.balance = t.balance.max(placed.balance);
+            }
+        }
+        Ok(p)
+    }
+
+    /// Makes the distributor hand out what the store says now; a distributor
+    /// that is gone (destroyed for a replacement) has nothing left to update.
+    ///
+    /// One publication at a time per distributor, across processes (the
+    /// distributor's lease): the daemon and a Terraform apply, or two groups of
+    /// one apply, may change what a distributor hands out at the same moment.
+    /// Each reads the store and bumps the distributor's configuration version;
+    /// interleaved, the later write could carry the earlier view under the same
+    /// version and a registration would be lost until the next publication.
+    pub(crate) async fn publish(&self, distributor_id: &str) -> Result<()> {
+        // A distributor destroyed under its groups (to be replaced) has nothing
+        // to publish, and must not get a lease row that nothing would delete.
+        if self.store.distributor(distributor_id)?.is_none() {
+            return Ok(());
+        }
+        let turn = self
+            .lease(
+                &distributor_lease_key(distributor_id),
+                Instant::now() + PUBLISH_LEASE_WAIT,
+            )
+            .await?;
+        let r = self.publish_holding_lease(distributor_id).await;
+        turn.release();
+        r
+    }
+
+    async fn publish_holding_lease(&self, distributor_id: &str) -> Result<()> {
+        let Some(row) = self.store.distributor(distributor_id)? else {
+            return Ok(());
+        };
+        let publication = self.publication(distributor_id)?;
+        self.distributor_driver(&row.spec.cloud)?
+            .publish(distributor_id, &row.spec, &publication)
+            .await
+            .map_err(|e| EngineError::Step {
+                step: "register addresses with the distributor",
+                detail: e.to_string(),
+            })
+    }
+}

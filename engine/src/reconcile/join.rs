@@ -1,0 +1,456 @@
+//! Joining nodes and pushing their configuration: what each node runs (the
+//! group's vservers with its scale-out roles), the push, and the rolling
+//! restart that replaces every node surge first.
+
+use super::leases::KeptLease;
+use super::{Engine, EngineError, Result};
+use crate::cloud::Cloud;
+use crate::fault::fault_point;
+use crate::model::GroupSpec;
+use crate::nodeapi::NodeClient;
+use crate::placement;
+use crate::store::{NodeRow, NodeState, Row};
+use std::time::{Duration, Instant};
+
+impl Engine {
+    /// Joins every member of the group that stays (not in `leaving`) and pushes
+    /// each its configuration if it changed. Newest first: a new secondary serves
+    /// before its primary starts forwarding to it, and the nodes of a new group
+    /// (none active yet) do not ramp against each other.
+    pub(crate) async fn push_configs(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        leaving: &[String],
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        self.push_configs_with(
+            cloud,
+            group,
+            token,
+            leaving,
+            Duration::ZERO,
+            deadline,
+            lease,
+        )
+        .await
+    }
+
+    /// [`Engine::push_configs`], with the primaries keeping the connections they
+    /// forwarded to a dropped secondary at least `scalein_floor`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn push_configs_with(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        leaving: &[String],
+        scalein_floor: Duration,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let version = self.store.config_version(&group.id)?;
+        let config = self.node_config(&group.id, version)?;
+        for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
+            if !n.state.is_member() || leaving.contains(&n.id) {
+                continue;
+            }
+            self.join(
+                cloud,
+                group,
+                n,
+                token,
+                &config,
+                leaving,
+                scalein_floor,
+                deadline,
+                lease,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Joins a node to its cluster: pushes its configuration (the group's vservers
+    /// with this node's scale-out roles) if the node does not run it yet (then it
+    /// is active), and marks it registered with the distributor (the caller
+    /// publishes).
+    #[allow(clippy::too_many_arguments)]
+    async fn join(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        mut n: NodeRow,
+        token: &str,
+        base: &lbscale_proto::NodeConfig,
+        leaving: &[String],
+        scalein_floor: Duration,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let group_id = group.id.as_str();
+        let version = base.version;
+        let mut config = self.config_for_node(group, base, &n, leaving)?;
+        // The floor matters only to the secondaries dropped by this push; the
+        // configuration is otherwise the same (no re-push for it later).
+        let fingerprint = config_fingerprint(&config);
+        for v in &mut config.vservers {
+            if let Some(so) = v.scaleout.as_mut() {
+                so.scalein_timeout_ms = so.scalein_timeout_ms.max(scalein_floor.as_millis() as u64);
+            }
+        }
+        let applied = n.handle.get("config_fingerprint").and_then(|v| v.as_str());
+        if applied != Some(fingerprint.as_str()) || n.state != NodeState::Active {
+            if n.state != NodeState::Active {
+                // A joining node's services are new: they ramp under slow start
+                // against the nodes that already serve in its AZ. Only older nodes
+                // are peers, so forwarding between ramping nodes never loops; a
+                // node that is already active gets none (a vserver added to every
+                // node at once does not ramp anywhere).
+                let peers: Vec<String> = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .filter(|p| {
+                        p.az == n.az
+                            && p.seq < n.seq
+                            && p.state == NodeState::Active
+                            && p.registered
+                    })
+                    .map(|p| p.private_ip)
+                    .collect();
+                for v in &mut config.vservers {
+                    // Manual slow start (interval 0) would hold every new node at
+                    // new_service_request until an operator acts, so a scale-out
+                    // would add no capacity: a joining node ramps only
+                    // automatically.
+                    let automatic = v.slow_start.as_ref().is_some_and(|ss| {
+                        ss.new_service_request > 0 && ss.increment_interval_s > 0
+                    });
+                    if automatic {
+                        v.ramp_peers = peers.clone();
+                    }
+                }
+            }
+            lease.check()?;
+            self.configure(cloud, &n, token, config, deadline).await?;
+            fault_point("after_configure");
+            lease.check()?;
+            n.handle["config_version"] = version.into();
+            n.handle["config_fingerprint"] = fingerprint.into();
+            if n.state != NodeState::Active {
+                n.state = NodeState::Active;
+                self.store.record_event(
+                    group_id,
+                    Some(&n.az),
+                    "node_active",
+                    &format!(
+                        "node {} serves the group's vservers (configuration {version})",
+                        n.id
+                    ),
+                )?;
+            }
+            self.store.update_node(&n)?;
+        }
+        if !n.registered {
+            lease.check()?;
+            n.registered = true;
+            self.store.update_node(&n)?;
+            self.store.record_event(
+                group_id,
+                Some(&n.az),
+                "node_registered",
+                &format!(
+                    "node {} ({}) added to the traffic distributor",
+                    n.id, n.private_ip
+                ),
+            )?;
+            fault_point("after_register");
+        }
+        Ok(())
+    }
+
+    async fn configure(
+        &self,
+        cloud: &dyn Cloud,
+        n: &NodeRow,
+        token: &str,
+        config: lbscale_proto::NodeConfig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let port = cloud.api_port(n);
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            let attempt = async {
+                let mut c = NodeClient::connect(&n.private_ip, port, token).await?;
+                c.configure(config.clone()).await
+            };
+            match attempt.await {
+                Ok(_) => return Ok(()),
+                // A refusal (a port in use, say) will not fix itself: report it now.
+                Err(e @ crate::nodeapi::NodeApiError::Refused { .. }) => {
+                    return Err(EngineError::Step {
+                        step: "push the vservers to the node",
+                        detail: format!("node {}: {e}", n.id),
+                    })
+                }
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(EngineError::Timeout {
+            step: "wait for the node to be active",
+            after_s: 0,
+            detail: format!("node {} did not take its configuration: {last}", n.id),
+        })
+    }
+
+    /// What node `n` runs: the group's vservers with its scale-out role in each
+    /// (placed over the members that stay, i.e. not in `leaving`).
+    fn config_for_node(
+        &self,
+        group: &Row<GroupSpec>,
+        base: &lbscale_proto::NodeConfig,
+        n: &NodeRow,
+        leaving: &[String],
+    ) -> Result<lbscale_proto::NodeConfig> {
+        use lbscale_proto::{Scaleout, ScaleoutPeer, ScaleoutRole};
+        let nodes = self.store.nodes_of_group(&group.id)?;
+        let staying: Vec<&NodeRow> = nodes
+            .iter()
+            .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
+            .collect();
+        let placements = self.placements(group, &staying)?;
+        let mut config = base.clone();
+        if !placements.is_empty() {
+            // Behind an nlb nodes forward to each other (a primary to its
+            // secondaries) with a PROXY header naming the client.
+            config.group_peers = staying
+                .iter()
+                .filter(|m| m.id != n.id)
+                .map(|m| m.private_ip.clone())
+                .collect();
+        }
+        for v in &mut config.vservers {
+            let Some(p) = placements.get(&(v.name.clone(), n.az.clone())) else {
+                continue;
+            };
+            let role = p.roles.iter().find(|(a, _)| *a == n.private_ip);
+            v.scaleout = role.map(|(_, role)| match role {
+                placement::Role::Primary {
+                    own_share,
+                    secondaries,
+                } => Scaleout {
+                    role: ScaleoutRole::Primary as i32,
+                    primary_share: *own_share,
+                    secondaries: secondaries
+                        .iter()
+                        .map(|(address, share)| ScaleoutPeer {
+                            address: address.clone(),
+                            share: *share,
+                        })
+                        .collect(),
+                    scalein_timeout_ms: p.scalein_timeout_ms,
+                },
+                placement::Role::Secondary => Scaleout {
+                    role: ScaleoutRole::Secondary as i32,
+                    scalein_timeout_ms: p.scalein_timeout_ms,
+                    ..Default::default()
+                },
+            });
+        }
+        Ok(config)
+    }
+
+    /// The full configuration the group's nodes run: every vserver placed on it.
+    fn node_config(&self, group_id: &str, version: u64) -> Result<lbscale_proto::NodeConfig> {
+        use lbscale_proto::{LbMethod, Service, ServiceType, Vserver};
+        let vservers = self
+            .store
+            .vservers_of_group(group_id)?
+            .into_iter()
+            .map(|v| {
+                let s = v.spec;
+                Vserver {
+                    name: s.name,
+                    service_type: match s.service_type.as_str() {
+                        "HTTP" => ServiceType::Http,
+                        "TCP" => ServiceType::Tcp,
+                        _ => ServiceType::Udp,
+                    } as i32,
+                    port: s.port as u32,
+                    lb_method: LbMethod::from_str_name(&s.lb_method)
+                        .unwrap_or(LbMethod::Leastconnection) as i32,
+                    persistence: s.persistence,
+                    // The node ramps new services itself (first bound there, or back
+                    // UP) with lbscale-core's model; the engine only says how.
+                    slow_start: s.slow_start.as_ref().map(|ss| lbscale_proto::SlowStart {
+                        new_service_request: ss.new_service_request.max(0) as u32,
+                        unit: if ss.unit == "PERCENT" {
+                            lbscale_proto::SlowStartUnit::Percent
+                        } else {
+                            lbscale_proto::SlowStartUnit::PerSecond
+                        } as i32,
+                        increment_interval_s: ss.increment_interval.max(0) as u32,
+                    }),
+                    scaleout: None,
+                    ramp_peers: vec![],
+                    services: s
+                        .services
+                        .into_iter()
+                        .map(|svc| Service {
+                            name: svc.name,
+                            address: svc.address,
+                            port: svc.port as u32,
+                            weight: svc.weight as u32,
+                            enabled: svc.enabled,
+                            cap_per_second: None,
+                            custom_load: None,
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        Ok(lbscale_proto::NodeConfig {
+            version,
+            vservers,
+            group_peers: Vec::new(),
+        })
+    }
+
+    /// Active nodes of the group whose last pushed configuration is not the one
+    /// they should run now (a push that failed half-way, e.g. a primary that did
+    /// not take its new secondary). The daemon's resume reconcile pushes them.
+    pub fn stale_configurations(&self, group_id: &str) -> Result<Vec<String>> {
+        let Some(group) = self.store.group(group_id)? else {
+            return Ok(Vec::new());
+        };
+        let base = self.node_config(group_id, self.store.config_version(group_id)?)?;
+        let mut stale = Vec::new();
+        for n in self.store.nodes_of_group(group_id)? {
+            if n.state != NodeState::Active {
+                continue;
+            }
+            let want = config_fingerprint(&self.config_for_node(&group, &base, &n, &[])?);
+            if n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str()) {
+                stale.push(n.id);
+            }
+        }
+        Ok(stale)
+    }
+
+    /// Restarts every node of the group, one at a time and surge first: a new
+    /// node joins and serves before the old one leaves (TTL, drain, gone). Used
+    /// when a setting that nodes read only at start-up changes (`se_tunnel_mode`).
+    pub async fn rolling_restart(&self, group_id: &str, reason: &str) -> Result<()> {
+        let group = self
+            .store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let old: Vec<NodeRow> = self
+            .store
+            .nodes_of_group(group_id)?
+            .into_iter()
+            .filter(|n| n.state.is_member())
+            .collect();
+        let per_node =
+            group.spec.apply_timeout() + group.spec.drain_timeout() + self.ttl_of(&group.spec)?;
+        let deadline = Instant::now() + per_node * (old.len() as u32).max(1);
+        let lease = self.lease(group_id, deadline).await?;
+        let out = async {
+            let cloud = self.cloud(&group.spec.cloud)?;
+            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            let config = self.node_config(group_id, self.store.config_version(group_id)?)?;
+            self.store.record_event(
+                group_id,
+                None,
+                "rolling_restart",
+                &format!("{reason}: {} node(s), one at a time", old.len()),
+            )?;
+            // Newest first: the oldest node (every vserver's scale-out primary)
+            // is replaced last, so the primary moves once, not at every step.
+            for n in old.into_iter().rev() {
+                let before: Vec<String> = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .map(|x| x.id)
+                    .collect();
+                self.provision(
+                    &group,
+                    &n.az,
+                    &token,
+                    &lease,
+                    &format!("replaces {} (rolling restart)", n.id),
+                )
+                .await?;
+                let fresh = self
+                    .store
+                    .nodes_of_group(group_id)?
+                    .into_iter()
+                    .find(|x| !before.contains(&x.id))
+                    .ok_or_else(|| EngineError::Step {
+                        step: "rolling restart",
+                        detail: "the new node disappeared".into(),
+                    })?;
+                self.join(
+                    cloud,
+                    &group,
+                    fresh,
+                    &token,
+                    &config,
+                    &[],
+                    Duration::ZERO,
+                    deadline,
+                    &lease,
+                )
+                .await?;
+                // The primaries learn of the new node before the old one leaves.
+                self.push_configs(
+                    cloud,
+                    &group,
+                    &token,
+                    std::slice::from_ref(&n.id),
+                    deadline,
+                    &lease,
+                )
+                .await?;
+                lease.check()?;
+                self.publish(&group.spec.traffic_distributor_id).await?;
+                self.scale_in(
+                    &group,
+                    vec![n],
+                    deadline,
+                    "replaced by the rolling restart",
+                    &lease,
+                )
+                .await?;
+            }
+            Ok(())
+        }
+        .await;
+        lease.release();
+        out
+    }
+}
+
+/// Identifies what a node was sent (ramp peers aside: they matter only while it
+/// joins), so that a node is reconfigured exactly when its configuration changes.
+fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
+    use prost::Message;
+    let mut c = config.clone();
+    for v in &mut c.vservers {
+        v.ramp_peers.clear();
+    }
+    // FNV-1a: stable across Rust versions (std's hasher is not), so a toolchain
+    // upgrade does not make every node look changed.
+    let h = c
+        .encode_to_vec()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    format!("{h:016x}")
+}

@@ -1,0 +1,157 @@
+//! Scale-out: one node more in an AZ, and the provisioning of a node (its row
+//! first, so that a crash never forgets it).
+
+use super::leases::KeptLease;
+use super::{Engine, EngineError, Result};
+use crate::cloud::ProvisionRequest;
+use crate::fault::fault_point;
+use crate::model::GroupSpec;
+use crate::store::{now_ms, NodeRow, NodeState, Row};
+use std::time::Instant;
+
+impl Engine {
+    /// The scale-out workflow for one AZ (what the daemon runs when a breach is
+    /// confirmed): provision a node, join it (push every vserver), register it in
+    /// the store and add its address to the distributor. Refused at max_nodes.
+    /// Returns the new node's id.
+    pub async fn scale_out(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
+        let group = self
+            .store
+            .group(group_id)?
+            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let deadline = Instant::now() + group.spec.apply_timeout();
+        let lease = self.lease(group_id, deadline).await?;
+        let out = async {
+            let members = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .filter(|n| n.az == az && n.state.is_member())
+                .count() as i64;
+            if !group.spec.availability_zones.iter().any(|z| z == az)
+                || members >= group.spec.max_nodes
+            {
+                return Err(EngineError::Step {
+                    step: "scale out",
+                    detail: format!(
+                        "{az} has {members} node(s), max_nodes is {} (or the AZ is not declared)",
+                        group.spec.max_nodes
+                    ),
+                });
+            }
+            lease.check()?;
+            self.store
+                .record_event(group_id, Some(az), "scale_out", reason)?;
+            let before: Vec<String> = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .map(|n| n.id)
+                .collect();
+            // Level-triggered: provisioning one more node and reconciling joins,
+            // configures and registers it like any other.
+            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            self.provision(&group, az, &token, &lease, "scale-out")
+                .await?;
+            self.reconcile_locked(&group, deadline, &lease).await?;
+            let added = self
+                .store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .find(|n| !before.contains(&n.id));
+            added.map(|n| n.id).ok_or_else(|| EngineError::Step {
+                step: "scale out",
+                detail: "the new node disappeared".into(),
+            })
+        }
+        .await;
+        lease.release();
+        out
+    }
+
+    pub(crate) async fn provision(
+        &self,
+        group: &Row<GroupSpec>,
+        az: &str,
+        token: &str,
+        lease: &KeptLease,
+        why: &str,
+    ) -> Result<()> {
+        let (id, spec) = (&group.id, &group.spec);
+        let cloud = self.cloud(&spec.cloud)?;
+        let seq = self.store.next_node_seq(id)?;
+        let node_id = format!("{}-{}-{}-{:04x}", spec.name, az, seq, rand::random::<u16>());
+        // The row exists before the side effect, so that a crash never forgets a node.
+        let mut row = NodeRow {
+            id: node_id.clone(),
+            group_id: id.clone(),
+            az: az.to_string(),
+            seq,
+            state: NodeState::Provisioning,
+            private_ip: String::new(),
+            public_ip: None,
+            registered: false,
+            handle: serde_json::json!({}),
+            created_at: now_ms(),
+        };
+        lease.check()?;
+        self.store.insert_node(&row)?;
+        self.store.record_event(
+            id,
+            Some(az),
+            "node_provisioning",
+            &format!("node {node_id}: {why}"),
+        )?;
+        fault_point("after_node_row");
+        lease.check()?;
+        let req = ProvisionRequest {
+            node_id: node_id.clone(),
+            group_id: id.clone(),
+            az: az.to_string(),
+            memory_limit_mb: spec.memory_limit_mb(),
+            token: token.to_string(),
+        };
+        // Not cut short by the apply deadline: a node that exists must be recorded,
+        // or it would be orphaned. The driver bounds its own start-up wait.
+        let p = match cloud.provision(&req).await {
+            Ok(p) => p,
+            Err(e) => {
+                // The cloud may have made the node before failing (an answer
+                // lost, a start that timed out): remove whatever carries its id
+                // before forgetting it. If that fails too, the row stays as
+                // failed, and the next reconcile removes it.
+                match cloud.deprovision(&row).await {
+                    Ok(()) => self.store.delete_node(&node_id)?,
+                    Err(cleanup) => {
+                        row.state = NodeState::Failed;
+                        self.store.update_node(&row)?;
+                        tracing::warn!(node = %node_id, error = %cleanup, "could not remove what a failed provisioning left; the next reconcile retries");
+                    }
+                }
+                return Err(EngineError::Step {
+                    step: "provision node",
+                    detail: e.to_string(),
+                });
+            }
+        };
+        fault_point("after_provision");
+        row.private_ip = p.private_ip;
+        row.public_ip = p.public_ip;
+        row.handle = p.handle;
+        if let Err(e) = lease.check() {
+            // Another holder owns the group now and may already have given up
+            // on this row: stop the process that only this run knows of.
+            let _ = cloud.deprovision(&row).await;
+            return Err(e.into());
+        }
+        row.state = NodeState::Joining;
+        self.store.update_node(&row)?;
+        self.store.record_event(
+            id,
+            Some(az),
+            "node_joining",
+            &format!("node {node_id} is up at {}", row.private_ip),
+        )?;
+        Ok(())
+    }
+}
