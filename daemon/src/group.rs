@@ -12,7 +12,7 @@ use crate::spans::{size_spans, span_target_cpu, SpanPolicy};
 use crate::status::{az_status, nodes_by_state};
 use crate::Shared;
 use lbscale_core::duration::{format_as_seconds, parse_duration};
-use lbscale_core::policy::{AzState, Phase};
+use lbscale_core::policy::{AzState, Phase, PolicyConfig};
 use lbscale_core::seplan::SpanStreak;
 use lbscale_engine::daemon_api::Turn;
 use lbscale_engine::model::GroupSpec;
@@ -77,10 +77,16 @@ pub struct GroupRuntime {
     clients: HashMap<String, CachedClient>,
     /// The group's node API token (it never changes).
     token: Option<String>,
+    /// The group's policy as of a row version (which a change of the group or
+    /// of its distributor raises): read again only when the version changes.
+    policy: Option<(i64, PolicyConfig)>,
     /// Unix ms from which the group is due again.
     next_eval_ms: i64,
     /// Evaluations that failed in a row (the error policy's back-off).
     failures: u32,
+    /// Whether the last evaluation left the group to an apply or another
+    /// daemon: an ended workflow then waits for the requeue.
+    left_alone: bool,
     /// Whether this daemon has reconciled the group once since it took it
     /// (finishing what a crashed holder left half-done).
     resumed: bool,
@@ -105,8 +111,10 @@ impl GroupRuntime {
             restored: BTreeMap::new(),
             clients: HashMap::new(),
             token: None,
+            policy: None,
             next_eval_ms: 0,
             failures: 0,
+            left_alone: false,
             resumed: false,
             resume_backoff: ResumeBackoff::default(),
             span_streaks: HashMap::new(),
@@ -117,7 +125,8 @@ impl GroupRuntime {
     /// its AZs ended (the policy takes the outcome in at once: the cooldown
     /// starts when the node has joined).
     pub fn due(&self, now: i64) -> bool {
-        now >= self.next_eval_ms || self.azs.values().any(|a| a.workflow_ended())
+        now >= self.next_eval_ms
+            || (!self.left_alone && self.azs.values().any(|a| a.workflow_ended()))
     }
 
     fn workflows_in_flight(&self) -> bool {
@@ -154,9 +163,14 @@ pub fn release_ownership(shared: &Shared, group_id: &str) {
 /// Runs one evaluation of the group and requeues it: what [`evaluate`] says
 /// next, or what [`error_policy`] decides after a failure. Holds the group's
 /// runtime meanwhile, so that the loop starts no second one.
-pub async fn run(shared: Arc<Shared>, mut rt: OwnedMutexGuard<GroupRuntime>, row: Row<GroupSpec>) {
+pub async fn run(
+    shared: Arc<Shared>,
+    mut rt: OwnedMutexGuard<GroupRuntime>,
+    row: Row<GroupSpec>,
+    version: i64,
+) {
     let started = now_ms();
-    let wait = match evaluate(&shared, &mut rt, &row, started).await {
+    let wait = match evaluate(&shared, &mut rt, &row, version, started).await {
         Ok(next) => {
             rt.failures = 0;
             next.requeue()
@@ -208,6 +222,7 @@ pub async fn evaluate(
     shared: &Arc<Shared>,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
+    version: i64,
     now: i64,
 ) -> Result<Next, EvalError> {
     let (id, spec) = (row.id.as_str(), &row.spec);
@@ -217,12 +232,7 @@ pub async fn evaluate(
         s.max_nodes = spec.max_nodes;
         s.stats_interval = spec.stats_interval.clone();
     });
-    let step = "read the group's policy";
-    let cfg = shared
-        .engine
-        .group_policy(spec)
-        .map_err(|e| EvalError::new(step, e))?
-        .map_err(|e| EvalError::new(step, e))?;
+    let cfg = policy(shared, rt, row, version)?;
     let interval = Duration::from_millis(cfg.stats_interval);
     let claim_ttl = claim_ttl(interval);
     let Some(claim) = take_turn(shared, rt, row, claim_ttl)? else {
@@ -280,6 +290,28 @@ pub async fn evaluate(
     })
 }
 
+/// The group's policy at row `version`, converted by the core.
+fn policy(
+    shared: &Shared,
+    rt: &mut GroupRuntime,
+    row: &Row<GroupSpec>,
+    version: i64,
+) -> Result<PolicyConfig, EvalError> {
+    if let Some((v, cfg)) = rt.policy {
+        if v == version {
+            return Ok(cfg);
+        }
+    }
+    let step = "read the group's policy";
+    let cfg = shared
+        .engine
+        .group_policy(&row.spec)
+        .map_err(|e| EvalError::new(step, e))?
+        .map_err(|e| EvalError::new(step, e))?;
+    rt.policy = Some((version, cfg));
+    Ok(cfg)
+}
+
 /// The claim on the group when this daemon may act on it now; `None` when
 /// another daemon evaluates it or an apply works on it.
 fn take_turn(
@@ -292,6 +324,7 @@ fn take_turn(
         .engine
         .daemon_turn(&row.id, &shared.holder, claim_ttl)
         .map_err(|e| EvalError::new("claim the group", e))?;
+    rt.left_alone = !matches!(turn, Turn::Ours(_));
     match turn {
         Turn::Ours(claim) => Ok(Some(claim)),
         Turn::OtherDaemon { holder } => {

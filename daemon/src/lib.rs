@@ -196,7 +196,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
                 continue;
             };
             if guard.due(now) {
-                tasks.spawn(group::run(shared.clone(), guard, w.row.clone()));
+                tasks.spawn(group::run(shared.clone(), guard, w.row.clone(), w.version));
             }
         }
     }
