@@ -3,8 +3,8 @@
 
 use super::{new_id, Engine, EngineError, Result};
 use crate::cloud::{Distributor, Publication};
-use crate::model::DistributorSpec;
-use crate::store::{distributor_lease_key, NodeRow};
+use crate::model::{DistributorSpec, GroupSpec};
+use crate::store::{distributor_lease_key, NodeRow, Row};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -123,36 +123,46 @@ impl Engine {
                         _ => n.private_ip.clone(),
                     });
             }
-            // SE scale-out: a port goes to its primary, or to its holders by flow
-            // hash. Vservers of several groups on one port share it.
-            let ports_of: BTreeMap<String, u16> = self
-                .store
-                .vservers_of_group(&g.id)?
-                .into_iter()
-                .filter(|v| v.spec.service_type != "UDP")
-                .map(|v| (v.spec.name, v.spec.port as u16))
-                .collect();
-            for ((vserver, az), placed) in self.placements(&g, &registered)? {
-                let Some(port) = ports_of.get(&vserver) else {
-                    continue;
-                };
-                let t = p
-                    .port_targets
-                    .entry(az)
-                    .or_default()
-                    .entry(*port)
-                    .or_default();
-                for a in placed.targets {
-                    if !t.addresses.contains(&a) {
-                        t.addresses.push(a);
-                    }
-                }
-                // Groups sharing a port: flow hash wins over primary-first, which
-                // wins over round robin.
-                t.balance = t.balance.max(placed.balance);
-            }
+            self.add_port_targets(&mut p, &g, &registered)?;
         }
         Ok(p)
+    }
+
+    /// SE scale-out: a port of the group's vservers goes to its primary, or to
+    /// its holders by flow hash. Vservers of several groups on one port share it.
+    fn add_port_targets(
+        &self,
+        p: &mut Publication,
+        g: &Row<GroupSpec>,
+        registered: &[&NodeRow],
+    ) -> Result<()> {
+        let ports_of: BTreeMap<String, u16> = self
+            .store
+            .vservers_of_group(&g.id)?
+            .into_iter()
+            .filter(|v| v.spec.service_type != "UDP")
+            .map(|v| (v.spec.name, v.spec.port as u16))
+            .collect();
+        for ((vserver, az), placed) in self.placements(g, registered)? {
+            let Some(port) = ports_of.get(&vserver) else {
+                continue;
+            };
+            let t = p
+                .port_targets
+                .entry(az)
+                .or_default()
+                .entry(*port)
+                .or_default();
+            for a in placed.targets {
+                if !t.addresses.contains(&a) {
+                    t.addresses.push(a);
+                }
+            }
+            // Groups sharing a port: flow hash wins over primary-first, which
+            // wins over round robin.
+            t.balance = t.balance.max(placed.balance);
+        }
+        Ok(())
     }
 
     /// Makes the distributor hand out what the store says now; a distributor

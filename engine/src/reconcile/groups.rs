@@ -3,6 +3,7 @@
 
 use super::leases::{wait_unused, KeptLease};
 use super::{new_id, new_token, Engine, EngineError, Result};
+use crate::cloud::Cloud;
 use crate::model::{Finding, Findings, GroupSpec, PathStep};
 use crate::store::{NodeRow, NodeState, Row};
 use lbscale_core::apply;
@@ -117,7 +118,12 @@ impl Engine {
         };
         let name = &group.spec.name;
         wait_unused(format!("autoscale group {name:?}"), "SE group", || {
-            Ok(self.store.se_groups_of_group(id)?.into_iter().map(|s| s.spec.name).collect())
+            Ok(self
+                .store
+                .se_groups_of_group(id)?
+                .into_iter()
+                .map(|s| s.spec.name)
+                .collect())
         })
         .await?;
         // Destroy may take the TTL plus a full drain: bound it by those, not apply_timeout.
@@ -224,59 +230,16 @@ impl Engine {
         // 1. Observe, then let the core decide (docs/design.md, "Apply").
         let rows = self.store.nodes_of_group(id)?;
         let alive = cloud.alive(&rows).await?;
-        let observed: Vec<apply::ObservedNode> = rows
-            .iter()
-            .zip(&alive)
-            .map(|(n, alive)| apply::ObservedNode {
-                id: n.id.clone(),
-                az: n.az.clone(),
-                seq: n.seq,
-                life: match n.state {
-                    NodeState::Failed => apply::Life::Failed,
-                    s if s.is_member() && !alive => apply::Life::Failed,
-                    s if s.is_member() => apply::Life::Member,
-                    _ => apply::Life::Leaving,
-                },
-            })
-            .collect();
         let shape = apply::Shape {
             availability_zones: spec.availability_zones.clone(),
             min_nodes: spec.min_nodes.max(0) as u32,
             max_nodes: spec.max_nodes.max(0) as u32,
         };
-        let plan = apply::plan(&shape, &observed);
+        let plan = apply::plan(&shape, &observed(&rows, &alive));
 
         // 2. Failed nodes: nothing to drain, removed at once.
-        let mut registration_changed = false;
-        for mut n in rows
-            .iter()
-            .filter(|n| plan.remove_failed.contains(&n.id))
-            .cloned()
-        {
-            lease.check()?;
-            registration_changed |= n.registered;
-            n.state = NodeState::Failed;
-            n.registered = false;
-            self.store.update_node(&n)?;
-            self.store.record_event(
-                id,
-                Some(&n.az),
-                "node_failed",
-                &format!("node {} is not running", n.id),
-            )?;
-            cloud.deprovision(&n).await?;
-            self.store.delete_node(&n.id)?;
-            self.store.record_event(
-                id,
-                Some(&n.az),
-                "node_removed",
-                &format!("failed node {} removed", n.id),
-            )?;
-        }
-        if registration_changed {
-            lease.check()?;
-            self.publish(&spec.traffic_distributor_id).await?;
-        }
+        self.remove_failed(cloud, group, &rows, &plan.remove_failed, lease)
+            .await?;
         // (Registrations made in step 4 are published at its end.)
         let leaving: Vec<NodeRow> = plan
             .leave
@@ -321,7 +284,66 @@ impl Engine {
         Ok(())
     }
 
+    /// Removes the nodes whose process is gone (`failed`: the core's
+    /// `remove_failed`) at once, and republishes if one was registered.
+    async fn remove_failed(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        rows: &[NodeRow],
+        failed: &[String],
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let id = &group.id;
+        let mut registration_changed = false;
+        for mut n in rows.iter().filter(|n| failed.contains(&n.id)).cloned() {
+            lease.check()?;
+            registration_changed |= n.registered;
+            n.state = NodeState::Failed;
+            n.registered = false;
+            self.store.update_node(&n)?;
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "node_failed",
+                &format!("node {} is not running", n.id),
+            )?;
+            cloud.deprovision(&n).await?;
+            self.store.delete_node(&n.id)?;
+            self.store.record_event(
+                id,
+                Some(&n.az),
+                "node_removed",
+                &format!("failed node {} removed", n.id),
+            )?;
+        }
+        if registration_changed {
+            lease.check()?;
+            self.publish(&group.spec.traffic_distributor_id).await?;
+        }
+        Ok(())
+    }
+
     pub fn events(&self, group_id: &str, limit: usize) -> Result<Vec<crate::store::Event>> {
         Ok(self.store.events_of_group(group_id, limit)?)
     }
+}
+
+/// The nodes as the core's apply plan reads them: a member whose process is
+/// gone counts as failed.
+fn observed(rows: &[NodeRow], alive: &[bool]) -> Vec<apply::ObservedNode> {
+    rows.iter()
+        .zip(alive)
+        .map(|(n, alive)| apply::ObservedNode {
+            id: n.id.clone(),
+            az: n.az.clone(),
+            seq: n.seq,
+            life: match n.state {
+                NodeState::Failed => apply::Life::Failed,
+                s if s.is_member() && !alive => apply::Life::Failed,
+                s if s.is_member() => apply::Life::Member,
+                _ => apply::Life::Leaving,
+            },
+        })
+        .collect()
 }

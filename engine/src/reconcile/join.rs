@@ -104,35 +104,7 @@ impl Engine {
         let applied = n.handle.get("config_fingerprint").and_then(|v| v.as_str());
         if applied != Some(fingerprint.as_str()) || n.state != NodeState::Active {
             if n.state != NodeState::Active {
-                // A joining node's services are new: they ramp under slow start
-                // against the nodes that already serve in its AZ. Only older nodes
-                // are peers, so forwarding between ramping nodes never loops; a
-                // node that is already active gets none (a vserver added to every
-                // node at once does not ramp anywhere).
-                let peers: Vec<String> = self
-                    .store
-                    .nodes_of_group(group_id)?
-                    .into_iter()
-                    .filter(|p| {
-                        p.az == n.az
-                            && p.seq < n.seq
-                            && p.state == NodeState::Active
-                            && p.registered
-                    })
-                    .map(|p| p.private_ip)
-                    .collect();
-                for v in &mut config.vservers {
-                    // Manual slow start (interval 0) would hold every new node at
-                    // new_service_request until an operator acts, so a scale-out
-                    // would add no capacity: a joining node ramps only
-                    // automatically.
-                    let automatic = v.slow_start.as_ref().is_some_and(|ss| {
-                        ss.new_service_request > 0 && ss.increment_interval_s > 0
-                    });
-                    if automatic {
-                        v.ramp_peers = peers.clone();
-                    }
-                }
+                self.add_ramp_peers(group_id, &n, &mut config)?;
             }
             lease.check()?;
             self.configure(cloud, &n, token, config, deadline).await?;
@@ -155,20 +127,61 @@ impl Engine {
             self.store.update_node(&n)?;
         }
         if !n.registered {
-            lease.check()?;
-            n.registered = true;
-            self.store.update_node(&n)?;
-            self.store.record_event(
-                group_id,
-                Some(&n.az),
-                "node_registered",
-                &format!(
-                    "node {} ({}) added to the traffic distributor",
-                    n.id, n.private_ip
-                ),
-            )?;
-            fault_point("after_register");
+            self.register(group_id, &mut n, lease)?;
         }
+        Ok(())
+    }
+
+    /// A joining node's services are new: they ramp under slow start against
+    /// the nodes that already serve in its AZ. Only older nodes are peers, so
+    /// forwarding between ramping nodes never loops; a node that is already
+    /// active gets none (a vserver added to every node at once does not ramp
+    /// anywhere).
+    fn add_ramp_peers(
+        &self,
+        group_id: &str,
+        n: &NodeRow,
+        config: &mut lbscale_proto::NodeConfig,
+    ) -> Result<()> {
+        let peers: Vec<String> = self
+            .store
+            .nodes_of_group(group_id)?
+            .into_iter()
+            .filter(|p| {
+                p.az == n.az && p.seq < n.seq && p.state == NodeState::Active && p.registered
+            })
+            .map(|p| p.private_ip)
+            .collect();
+        for v in &mut config.vservers {
+            // Manual slow start (interval 0) would hold every new node at
+            // new_service_request until an operator acts, so a scale-out would
+            // add no capacity: a joining node ramps only automatically.
+            let automatic = v
+                .slow_start
+                .as_ref()
+                .is_some_and(|ss| ss.new_service_request > 0 && ss.increment_interval_s > 0);
+            if automatic {
+                v.ramp_peers = peers.clone();
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the node registered with the distributor (the caller publishes).
+    fn register(&self, group_id: &str, n: &mut NodeRow, lease: &KeptLease) -> Result<()> {
+        lease.check()?;
+        n.registered = true;
+        self.store.update_node(n)?;
+        self.store.record_event(
+            group_id,
+            Some(&n.az),
+            "node_registered",
+            &format!(
+                "node {} ({}) added to the traffic distributor",
+                n.id, n.private_ip
+            ),
+        )?;
+        fault_point("after_register");
         Ok(())
     }
 
@@ -372,67 +385,57 @@ impl Engine {
             // Newest first: the oldest node (every vserver's scale-out primary)
             // is replaced last, so the primary moves once, not at every step.
             for n in old.into_iter().rev() {
-                let before: Vec<String> = self
-                    .store
-                    .nodes_of_group(group_id)?
-                    .into_iter()
-                    .map(|x| x.id)
-                    .collect();
-                self.provision(
-                    &group,
-                    &n.az,
-                    &token,
-                    &lease,
-                    &format!("replaces {} (rolling restart)", n.id),
-                )
-                .await?;
-                let fresh = self
-                    .store
-                    .nodes_of_group(group_id)?
-                    .into_iter()
-                    .find(|x| !before.contains(&x.id))
-                    .ok_or_else(|| EngineError::Step {
-                        step: "rolling restart",
-                        detail: "the new node disappeared".into(),
-                    })?;
-                self.join(
-                    cloud,
-                    &group,
-                    fresh,
-                    &token,
-                    &config,
-                    &[],
-                    Duration::ZERO,
-                    deadline,
-                    &lease,
-                )
-                .await?;
-                // The primaries learn of the new node before the old one leaves.
-                self.push_configs(
-                    cloud,
-                    &group,
-                    &token,
-                    std::slice::from_ref(&n.id),
-                    deadline,
-                    &lease,
-                )
-                .await?;
-                lease.check()?;
-                self.publish(&group.spec.traffic_distributor_id).await?;
-                self.scale_in(
-                    &group,
-                    vec![n],
-                    deadline,
-                    "replaced by the rolling restart",
-                    &lease,
-                )
-                .await?;
+                self.replace_node(cloud, &group, n, &token, &config, deadline, &lease)
+                    .await?;
             }
             Ok(())
         }
         .await;
         lease.release();
         out
+    }
+
+    /// One step of the rolling restart: a new node in `old`'s AZ joins and
+    /// serves, the primaries learn of it, then `old` leaves (TTL, drain, gone).
+    #[allow(clippy::too_many_arguments)]
+    async fn replace_node(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        old: NodeRow,
+        token: &str,
+        config: &lbscale_proto::NodeConfig,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let why = format!("replaces {} (rolling restart)", old.id);
+        let fresh = self.provision(group, &old.az, token, lease, &why).await?;
+        self.join(
+            cloud,
+            group,
+            fresh,
+            token,
+            config,
+            &[],
+            Duration::ZERO,
+            deadline,
+            lease,
+        )
+        .await?;
+        // The primaries learn of the new node before the old one leaves.
+        let leaving = std::slice::from_ref(&old.id);
+        self.push_configs(cloud, group, token, leaving, deadline, lease)
+            .await?;
+        lease.check()?;
+        self.publish(&group.spec.traffic_distributor_id).await?;
+        self.scale_in(
+            group,
+            vec![old],
+            deadline,
+            "replaced by the rolling restart",
+            lease,
+        )
+        .await
     }
 }
 

@@ -3,6 +3,7 @@
 
 use super::leases::KeptLease;
 use super::{Engine, EngineError, Result};
+use crate::cloud::Cloud;
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
 use crate::nodeapi::NodeClient;
@@ -70,15 +71,51 @@ impl Engine {
             self.publish(&group.spec.traffic_distributor_id).await?;
             return Ok(());
         }
-        let (id, spec) = (&group.id, &group.spec);
+        let spec = &group.spec;
         let cloud = self.cloud(&spec.cloud)?;
-        let token = self.store.group_token(id)?.unwrap_or_default();
+        let token = self.store.group_token(&group.id)?.unwrap_or_default();
         let mut nodes = nodes;
+        self.deregister(&group.id, &mut nodes, reason, lease)?;
+        self.push_while_leaving(cloud, group, &token, deadline, lease)
+            .await?;
+        lease.check()?;
+        self.publish(&spec.traffic_distributor_id).await?;
+        if nodes.iter().any(|n| n.state == NodeState::Draining) {
+            self.wait_one_ttl(group, deadline).await?;
+        }
+        let drain_until = (Instant::now() + spec.drain_timeout()).min(deadline);
+        for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
+            lease.check()?;
+            self.drain(cloud, n, &token, drain_until, deadline).await?;
+            lease.check()?;
+            self.store.record_event(
+                &group.id,
+                Some(&n.az),
+                "drain_end",
+                &format!("node {} drained", n.id),
+            )?;
+            n.state = NodeState::Deprovisioning;
+            self.store.update_node(n)?;
+            fault_point("after_drain");
+        }
+        self.deprovision_and_forget(cloud, &group.id, &nodes, lease)
+            .await
+    }
+
+    /// Step 1: the nodes leave the distributor (in the store; the caller
+    /// publishes) and start draining, unless already past it.
+    fn deregister(
+        &self,
+        group_id: &str,
+        nodes: &mut [NodeRow],
+        reason: &str,
+        lease: &KeptLease,
+    ) -> Result<()> {
         for n in nodes.iter_mut() {
             lease.check()?;
             if n.state.is_member() {
                 self.store.record_event(
-                    id,
+                    group_id,
                     Some(&n.az),
                     "scale_in",
                     &format!("node {}: {reason}", n.id),
@@ -91,94 +128,116 @@ impl Engine {
             self.store.update_node(n)?;
         }
         fault_point("after_deregister");
-        // Primaries stop forwarding new connections to the nodes that leave. The
-        // ones they forwarded there stay open as long as the node's drain may take
-        // (not just vs_scalein_timeout: the node leaves the group, not only the
-        // vserver). Best effort, bounded: a member that does not answer must not
-        // hold up the scale-in; the daemon finds it stale and pushes it later.
+        Ok(())
+    }
+
+    /// Step 2: primaries stop forwarding new connections to the nodes that
+    /// leave. The ones they forwarded there stay open as long as the node's
+    /// drain may take (not just vs_scalein_timeout: the node leaves the group,
+    /// not only the vserver). Best effort, bounded: a member that does not
+    /// answer must not hold up the scale-in; the daemon finds it stale and
+    /// pushes it later.
+    async fn push_while_leaving(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
         let push_deadline = (Instant::now() + CONFIG_PUSH_TIMEOUT).min(deadline);
-        let floor = spec.drain_timeout();
+        let floor = group.spec.drain_timeout();
         match self
-            .push_configs_with(cloud, group, &token, &[], floor, push_deadline, lease)
+            .push_configs_with(cloud, group, token, &[], floor, push_deadline, lease)
             .await
         {
-            Err(e @ EngineError::Store(_)) => return Err(e),
-            Err(e) => self.store.record_event(
-                id,
+            Err(e @ EngineError::Store(_)) => Err(e),
+            Err(e) => Ok(self.store.record_event(
+                &group.id,
                 None,
                 "config_push_failed",
                 &format!("while nodes leave: {e} (retried by the next reconcile)"),
-            )?,
-            Ok(()) => {}
+            )?),
+            Ok(()) => Ok(()),
         }
-        lease.check()?;
-        self.publish(&spec.traffic_distributor_id).await?;
+    }
 
-        let ttl = self.ttl_of(spec)?;
-        if !ttl.is_zero() && nodes.iter().any(|n| n.state == NodeState::Draining) {
-            let until = (Instant::now() + ttl).min(deadline);
-            tokio::time::sleep_until(until.into()).await;
-            if Instant::now() >= deadline {
-                return Err(EngineError::Timeout {
-                    step: "wait one DNS TTL",
-                    after_s: 0,
-                    detail: format!("TTL {}s", ttl.as_secs()),
-                });
+    /// Step 3 (`dns` distributors): clients may still resolve the name to the
+    /// nodes that left until one TTL has passed.
+    async fn wait_one_ttl(&self, group: &Row<GroupSpec>, deadline: Instant) -> Result<()> {
+        let ttl = self.ttl_of(&group.spec)?;
+        if ttl.is_zero() {
+            return Ok(());
+        }
+        let until = (Instant::now() + ttl).min(deadline);
+        tokio::time::sleep_until(until.into()).await;
+        if Instant::now() >= deadline {
+            return Err(EngineError::Timeout {
+                step: "wait one DNS TTL",
+                after_s: 0,
+                detail: format!("TTL {}s", ttl.as_secs()),
+            });
+        }
+        self.store.record_event(
+            &group.id,
+            None,
+            "ttl_end",
+            &format!("waited one DNS TTL ({}s)", ttl.as_secs()),
+        )?;
+        Ok(())
+    }
+
+    /// Step 4, one node: tells it to drain and waits until it has no
+    /// connections left or `drain_until` passes. A node that is gone or does
+    /// not answer has nothing to drain. Past the workflow's `deadline`, a node
+    /// that still has connections is a timeout.
+    async fn drain(
+        &self,
+        cloud: &dyn Cloud,
+        n: &NodeRow,
+        token: &str,
+        drain_until: Instant,
+        deadline: Instant,
+    ) -> Result<()> {
+        if !cloud.is_alive(n).await.unwrap_or(true) {
+            return Ok(());
+        }
+        let Ok(mut c) = NodeClient::connect(&n.private_ip, cloud.api_port(n), token).await else {
+            return Ok(());
+        };
+        let left = drain_until.saturating_duration_since(Instant::now());
+        let _ = c.drain(left).await;
+        loop {
+            let conns = c.stats().await.map(|s| s.active_connections).unwrap_or(0);
+            if conns == 0 {
+                return Ok(());
             }
-            self.store.record_event(
-                id,
-                None,
-                "ttl_end",
-                &format!("waited one DNS TTL ({}s)", ttl.as_secs()),
-            )?;
-        }
-
-        let drain_until = (Instant::now() + spec.drain_timeout()).min(deadline);
-        for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
-            lease.check()?;
-            let port = cloud.api_port(n);
-            if cloud.is_alive(n).await.unwrap_or(true) {
-                if let Ok(mut c) = NodeClient::connect(&n.private_ip, port, &token).await {
-                    let left = drain_until.saturating_duration_since(Instant::now());
-                    let _ = c.drain(left).await;
-                    loop {
-                        let conns = c.stats().await.map(|s| s.active_connections).unwrap_or(0);
-                        if conns == 0 {
-                            break;
-                        }
-                        if Instant::now() >= drain_until {
-                            if drain_until >= deadline && Instant::now() >= deadline {
-                                return Err(EngineError::Timeout {
-                                    step: "drain the node",
-                                    after_s: 0,
-                                    detail: format!(
-                                        "node {} still had {conns} connection(s)",
-                                        n.id
-                                    ),
-                                });
-                            }
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
+            if Instant::now() >= drain_until {
+                if drain_until >= deadline && Instant::now() >= deadline {
+                    return Err(EngineError::Timeout {
+                        step: "drain the node",
+                        after_s: 0,
+                        detail: format!("node {} still had {conns} connection(s)", n.id),
+                    });
                 }
+                return Ok(());
             }
-            lease.check()?;
-            self.store.record_event(
-                id,
-                Some(&n.az),
-                "drain_end",
-                &format!("node {} drained", n.id),
-            )?;
-            n.state = NodeState::Deprovisioning;
-            self.store.update_node(n)?;
-            fault_point("after_drain");
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
 
-        for n in &nodes {
+    /// Step 5: the nodes' processes stop, then their rows go.
+    async fn deprovision_and_forget(
+        &self,
+        cloud: &dyn Cloud,
+        group_id: &str,
+        nodes: &[NodeRow],
+        lease: &KeptLease,
+    ) -> Result<()> {
+        for n in nodes {
             lease.check()?;
             self.store.record_event(
-                id,
+                group_id,
                 Some(&n.az),
                 "deprovision_start",
                 &format!("node {}", n.id),
@@ -188,7 +247,7 @@ impl Engine {
             lease.check()?;
             self.store.delete_node(&n.id)?;
             self.store.record_event(
-                id,
+                group_id,
                 Some(&n.az),
                 "node_removed",
                 &format!("node {} removed", n.id),

@@ -3,7 +3,7 @@
 
 use super::leases::KeptLease;
 use super::{Engine, EngineError, Result};
-use crate::cloud::ProvisionRequest;
+use crate::cloud::{Cloud, ProvisionRequest};
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
 use crate::store::{now_ms, NodeRow, NodeState, Row};
@@ -76,7 +76,7 @@ impl Engine {
         token: &str,
         lease: &KeptLease,
         why: &str,
-    ) -> Result<()> {
+    ) -> Result<NodeRow> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(&spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
@@ -116,18 +116,7 @@ impl Engine {
         let p = match cloud.provision(&req).await {
             Ok(p) => p,
             Err(e) => {
-                // The cloud may have made the node before failing (an answer
-                // lost, a start that timed out): remove whatever carries its id
-                // before forgetting it. If that fails too, the row stays as
-                // failed, and the next reconcile removes it.
-                match cloud.deprovision(&row).await {
-                    Ok(()) => self.store.delete_node(&node_id)?,
-                    Err(cleanup) => {
-                        row.state = NodeState::Failed;
-                        self.store.update_node(&row)?;
-                        tracing::warn!(node = %node_id, error = %cleanup, "could not remove what a failed provisioning left; the next reconcile retries");
-                    }
-                }
+                self.undo_provision(cloud, row).await?;
                 return Err(EngineError::Step {
                     step: "provision node",
                     detail: e.to_string(),
@@ -152,6 +141,22 @@ impl Engine {
             "node_joining",
             &format!("node {node_id} is up at {}", row.private_ip),
         )?;
+        Ok(row)
+    }
+
+    /// After a failed provisioning: the cloud may have made the node before
+    /// failing (an answer lost, a start that timed out), so whatever carries
+    /// its id is removed before the row is forgotten. If that fails too, the
+    /// row stays as failed, and the next reconcile removes it.
+    async fn undo_provision(&self, cloud: &dyn Cloud, mut row: NodeRow) -> Result<()> {
+        match cloud.deprovision(&row).await {
+            Ok(()) => self.store.delete_node(&row.id)?,
+            Err(cleanup) => {
+                row.state = NodeState::Failed;
+                self.store.update_node(&row)?;
+                tracing::warn!(node = %row.id, error = %cleanup, "could not remove what a failed provisioning left; the next reconcile retries");
+            }
+        }
         Ok(())
     }
 }

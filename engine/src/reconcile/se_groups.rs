@@ -70,7 +70,12 @@ impl Engine {
             return Ok(());
         };
         wait_unused(format!("SE group {:?}", row.spec.name), "vserver", || {
-            Ok(self.store.vservers_of_se_group(id)?.into_iter().map(|v| v.spec.name).collect())
+            Ok(self
+                .store
+                .vservers_of_se_group(id)?
+                .into_iter()
+                .map(|v| v.spec.name)
+                .collect())
         })
         .await?;
         self.store.delete_se_group(id)?;
