@@ -66,5 +66,5 @@ async fn a_distributor_on_an_unregistered_cloud_stores_nothing() {
         matches!(err, EngineError::Cloud(CloudError::NoDriver { ref known, .. }) if known == &["aws".to_string()]),
         "{err:?}"
     );
-    assert!(e.store.distributor_by_name("nowhere").unwrap().is_none());
+    assert!(e.distributor_named("nowhere").unwrap().is_none());
 }

@@ -115,7 +115,7 @@ impl Stack {
     }
 
     fn rows(&self) -> Vec<lbscale_engine::store::NodeRow> {
-        self.engine.store.nodes_of_group(&self.group).unwrap()
+        self.engine.node_rows(&self.group).unwrap()
     }
 
     /// Ids of the nodes that are active and registered in the store.
@@ -524,7 +524,7 @@ async fn destroy_whose_deprovisioning_answer_is_lost_is_retried_and_leaves_nothi
     s.faults.inject(Call::Deprovision, Fault::Lost, 1);
     s.engine.delete_group(&s.group).await.expect("retried");
     assert_eq!(s.faults.calls(Call::Deprovision).len(), 2);
-    assert!(s.engine.store.group(&s.group).unwrap().is_none());
+    assert!(s.engine.group_view(&s.group).await.unwrap().is_none());
     assert!(s.rows().is_empty());
     s.assert_consistent("after the destroy");
 }
@@ -547,7 +547,12 @@ async fn a_distributor_publication_that_times_out_or_answers_late_is_retried_or_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_distributor_whose_removal_is_refused_is_retried_and_stops() {
     let s = Stack::new("flt_remove_refused", "127.95.").await;
-    let runtime = s.engine.store.distributor_runtime(&s.distributor).unwrap();
+    // The driver's own record of its DNS server: no workflow shows it.
+    let runtime = s
+        .engine
+        .testing_store()
+        .distributor_runtime(&s.distributor)
+        .unwrap();
     let pid = runtime["pid"].as_u64().expect("the DNS server's pid") as i32;
     s.faults.inject(Call::Remove, Fault::Refuse, 2);
     s.engine
@@ -555,12 +560,7 @@ async fn a_distributor_whose_removal_is_refused_is_retried_and_stops() {
         .await
         .expect("retried");
     s.assert_backed_off(Call::Remove, 2);
-    assert!(s
-        .engine
-        .store
-        .distributor(&s.distributor)
-        .unwrap()
-        .is_none());
+    assert!(s.engine.distributor_view(&s.distributor).unwrap().is_none());
     assert!(
         !std::path::Path::new(&format!("/proc/{pid}")).exists()
             || std::fs::read(format!("/proc/{pid}/cmdline")).map_or(true, |c| c.is_empty()),

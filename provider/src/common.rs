@@ -121,13 +121,9 @@ pub fn import_id(
     diags: &mut Diagnostics,
     kind: &str,
     name: &str,
-    found: Result<Option<String>, lbscale_engine::store::StoreError>,
+    found: Result<Option<String>, EngineError>,
 ) -> Option<String> {
-    match done(
-        diags,
-        &format!("import {kind}"),
-        found.map_err(EngineError::from),
-    )? {
+    match done(diags, &format!("import {kind}"), found)? {
         Some(id) => Some(id),
         None => {
             import_not_found(diags, kind, name);

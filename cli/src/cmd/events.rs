@@ -1,7 +1,8 @@
 //! `lbscale events --state URL [--group NAME] [--limit N]`: the recorded events
 //! (decisions and workflow steps), oldest first, as a table.
 
-use lbscale_engine::store::Store;
+use lbscale_engine::cloud::Clouds;
+use lbscale_engine::{Engine, EngineError};
 
 use crate::cmd::daemon::{check_state_url, flag_pairs, state_url};
 use crate::cmd::status::print_table;
@@ -35,20 +36,21 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     let state = state_url(state)?;
     let cwd =
         std::env::current_dir().map_err(|e| CliError::Output(format!("current directory: {e}")))?;
-    let store =
-        Store::open_url(&state, &cwd).map_err(|e| CliError::Output(format!("--state: {e}")))?;
-    let out = |e: lbscale_engine::store::StoreError| CliError::Output(e.to_string());
+    // Events need no cloud: the engine opens the store alone.
+    let engine = Engine::open(&state, &cwd, Clouds::new())
+        .map_err(|e| CliError::Output(format!("--state: {e}")))?;
+    let out = |e: EngineError| CliError::Output(e.to_string());
     let groups = match &group {
-        Some(name) => vec![store.group_by_name(name).map_err(out)?.ok_or_else(|| {
+        Some(name) => vec![engine.group_named(name).map_err(out)?.ok_or_else(|| {
             CliError::Usage(format!(
                 "--group: must name an autoscale group of the store, got {name:?}"
             ))
         })?],
-        None => store.all_groups().map_err(out)?,
+        None => engine.all_groups().map_err(out)?,
     };
     let mut events = Vec::new();
     for g in &groups {
-        for e in store.events_of_group(&g.id, limit).map_err(out)? {
+        for e in engine.events(&g.id, limit).map_err(out)? {
             events.push((g.spec.name.clone(), e));
         }
     }

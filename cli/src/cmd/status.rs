@@ -42,7 +42,6 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     let engine = Engine::open(&state, &cwd, clouds)
         .map_err(|e| CliError::Output(format!("--state: {e}")))?;
     let groups = engine
-        .store
         .all_groups()
         .map_err(|e| CliError::Output(e.to_string()))?;
     let mut rows = vec![[
@@ -64,7 +63,6 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         };
         let status = view.status();
         let policy = engine
-            .store
             .policy_states(&g.id)
             .map_err(|e| CliError::Output(e.to_string()))?;
         for az in &view.spec.availability_zones {

@@ -70,6 +70,11 @@ impl Engine {
         Ok(())
     }
 
+    /// The distributor named `name`, if there is one.
+    pub fn distributor_named(&self, name: &str) -> Result<Option<Row<DistributorSpec>>> {
+        Ok(self.store.distributor_by_name(name)?)
+    }
+
     pub fn distributor_view(&self, id: &str) -> Result<Option<DistributorView>> {
         let Some(row) = self.store.distributor(id)? else {
             return Ok(None);

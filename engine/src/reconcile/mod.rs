@@ -68,7 +68,9 @@ pub enum EngineError {
 pub type Result<T> = std::result::Result<T, EngineError>;
 
 pub struct Engine {
-    pub store: Arc<Store>,
+    /// Private: the provider, the daemon and the CLI go through the engine's
+    /// methods (tests through [`Engine::testing_store`]).
+    pub(crate) store: Arc<Store>,
     /// The drivers by cloud name, as the embedding program registered them.
     clouds: Registry,
     pub(crate) holder: String,
@@ -113,6 +115,13 @@ impl Engine {
     /// plan time, before anything is created.
     pub fn cloud_unusable(&self, cloud: &str, nodes: bool) -> Option<CloudError> {
         self.clouds.unusable(cloud, nodes)
+    }
+
+    /// The store itself, for tests that check what no workflow shows (that
+    /// nothing is left behind, a driver's runtime record) or set a fault up.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn testing_store(&self) -> &Arc<Store> {
+        &self.store
     }
 
     pub(crate) fn cloud(&self, name: &str) -> Result<&dyn Cloud> {

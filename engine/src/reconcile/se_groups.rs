@@ -3,8 +3,18 @@
 use super::leases::wait_unused;
 use super::{new_id, Engine, EngineError, Result};
 use crate::model::{Finding, Findings, PathStep, SeGroupSpec};
+use crate::store::Row;
 
 impl Engine {
+    pub fn se_group(&self, id: &str) -> Result<Option<Row<SeGroupSpec>>> {
+        Ok(self.store.se_group(id)?)
+    }
+
+    /// The SE group named `name`, if there is one.
+    pub fn se_group_named(&self, name: &str) -> Result<Option<Row<SeGroupSpec>>> {
+        Ok(self.store.se_group_by_name(name)?)
+    }
+
     pub fn check_se_group(&self, spec: &SeGroupSpec) -> Result<Findings> {
         let mut f = Findings::default();
         if self.store.group(&spec.autoscale_group_id)?.is_none() {

@@ -3,9 +3,19 @@
 
 use super::{new_id, Engine, EngineError, Result};
 use crate::model::{check_vserver_placement, Finding, Findings, PathStep, VserverSpec};
+use crate::store::Row;
 use std::collections::BTreeMap;
 
 impl Engine {
+    pub fn vserver(&self, id: &str) -> Result<Option<Row<VserverSpec>>> {
+        Ok(self.store.vserver(id)?)
+    }
+
+    /// The vserver named `name`, if there is one.
+    pub fn vserver_named(&self, name: &str) -> Result<Option<Row<VserverSpec>>> {
+        Ok(self.store.vserver_by_name(name)?)
+    }
+
     /// Rules that need the store: the SE group exists; UDP needs a dns distributor;
     /// SOURCEIP persistence across AZs is a warning.
     pub fn check_vserver(&self, spec: &VserverSpec) -> Result<Findings> {

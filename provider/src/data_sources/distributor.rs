@@ -67,7 +67,7 @@ impl DataSource for DistributorDataSource {
                 why,
             )
         };
-        let row = match engine.store.distributor_by_name(&name) {
+        let row = match engine.distributor_named(&name) {
             Ok(Some(r)) => r,
             Ok(None) => {
                 not_found(
@@ -77,7 +77,7 @@ impl DataSource for DistributorDataSource {
                 return None;
             }
             Err(e) => {
-                engine_error(diags, "read traffic distributor", e.into());
+                engine_error(diags, "read traffic distributor", e);
                 return None;
             }
         };

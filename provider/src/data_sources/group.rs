@@ -84,7 +84,7 @@ impl DataSource for GroupDataSource {
     ) -> Option<Self::State<'a>> {
         let engine = engine(&self.0, diags)?;
         let name = string(&config.name);
-        let row = match engine.store.group_by_name(&name) {
+        let row = match engine.group_named(&name) {
             Ok(Some(r)) => r,
             Ok(None) => {
                 error(
@@ -96,7 +96,7 @@ impl DataSource for GroupDataSource {
                 return None;
             }
             Err(e) => {
-                engine_error(diags, "read autoscale group", e.into());
+                engine_error(diags, "read autoscale group", e);
                 return None;
             }
         };

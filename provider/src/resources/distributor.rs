@@ -5,7 +5,6 @@ use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{DistributorSpec, Findings, PathStep, CLOUDS, DISTRIBUTOR_MODES};
-use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -178,8 +177,8 @@ impl ManagedObject for Distributor {
         }))
     }
 
-    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(engine.store.distributor_by_name(name)?.map(|r| r.id))
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, EngineError> {
+        Ok(engine.distributor_named(name)?.map(|r| r.id))
     }
 
     async fn create(engine: &Engine, spec: &DistributorSpec) -> Result<String, EngineError> {

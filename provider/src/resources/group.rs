@@ -11,7 +11,6 @@ use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{Findings, GroupSpec, NodeSizeSpec, PathStep, ThresholdSpec, CLOUDS};
 use lbscale_engine::reconcile::GroupView;
-use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -411,8 +410,8 @@ impl ManagedObject for Group {
         Ok(engine.group_view(id).await?.as_ref().map(state_of))
     }
 
-    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(engine.store.group_by_name(name)?.map(|r| r.id))
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, EngineError> {
+        Ok(engine.group_named(name)?.map(|r| r.id))
     }
 
     /// Records the group; `bring_up` then starts its nodes.

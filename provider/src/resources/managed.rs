@@ -7,7 +7,6 @@
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::Findings;
-use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
 use serde::{de::DeserializeOwned, Serialize};
 use std::marker::PhantomData;
@@ -58,7 +57,7 @@ pub trait ManagedObject: Send + Sync + 'static {
     /// The object as the engine sees it now; `None` when it is gone.
     async fn read(engine: &Engine, id: &str) -> Result<Option<Self::State>, EngineError>;
     /// The id of the object with this name (`terraform import` names objects by name).
-    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError>;
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, EngineError>;
     /// Creates the object; returns its id.
     async fn create(engine: &Engine, spec: &Self::Spec) -> Result<String, EngineError>;
     /// The work after `create` that can fail once the object exists. Nothing by default.

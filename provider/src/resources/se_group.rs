@@ -4,7 +4,6 @@ use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{Finding, Findings, PathStep, SeGroupSpec, SCALING_MODES};
-use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use tf_provider::schema::{AttributeType, Block};
@@ -188,7 +187,7 @@ impl ManagedObject for SeGroup {
     }
 
     async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
-        Ok(engine.store.se_group(id)?.map(|r| State {
+        Ok(engine.se_group(id)?.map(|r| State {
             id: Value::Value(r.id),
             name: Value::Value(r.spec.name),
             autoscale_group_id: Value::Value(r.spec.autoscale_group_id),
@@ -201,8 +200,8 @@ impl ManagedObject for SeGroup {
         }))
     }
 
-    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(engine.store.se_group_by_name(name)?.map(|r| r.id))
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, EngineError> {
+        Ok(engine.se_group_named(name)?.map(|r| r.id))
     }
 
     async fn create(engine: &Engine, spec: &SeGroupSpec) -> Result<String, EngineError> {

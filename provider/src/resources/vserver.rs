@@ -8,7 +8,6 @@ use lbscale_engine::model::{
     check_vserver_persistence, Finding, Findings, PathStep, ServiceSpec, SlowStartSpec,
     VserverSpec, LB_METHODS, PERSISTENCE, SERVICE_TYPES, SLOW_START_UNITS,
 };
-use lbscale_engine::store::StoreError;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -357,15 +356,15 @@ impl ManagedObject for Vserver {
     }
 
     async fn read(engine: &Engine, id: &str) -> Result<Option<State>, EngineError> {
-        let Some(row) = engine.store.vserver(id)? else {
+        let Some(row) = engine.vserver(id)? else {
             return Ok(None);
         };
         let vip = engine.vserver_vips(&row.spec)?;
         Ok(Some(state_of(row.id, row.spec, vip)))
     }
 
-    fn find(engine: &Engine, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(engine.store.vserver_by_name(name)?.map(|r| r.id))
+    fn find(engine: &Engine, name: &str) -> Result<Option<String>, EngineError> {
+        Ok(engine.vserver_named(name)?.map(|r| r.id))
     }
 
     async fn create(engine: &Engine, spec: &VserverSpec) -> Result<String, EngineError> {

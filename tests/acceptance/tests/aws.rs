@@ -137,8 +137,8 @@ resource "lbscale_autoscale_group" "g" {{
     );
     // One instance per AZ, of the type, in the AZ, tagged with the group.
     let group_id = ws
-        .store()
-        .group_by_name(&group)
+        .engine()
+        .group_named(&group)
         .unwrap()
         .expect("the group")
         .id;

@@ -212,8 +212,8 @@ async fn computed_values_under(tf: &TerraformCli, octet: u8) {
     assert_eq!(live.len(), 3, "terraform {label}: {out}");
     assert_eq!(live, strings(&out["node_ips"]["value"]));
     let added_ip = ws
-        .store()
-        .nodes_of_group(&group_id)
+        .engine()
+        .node_rows(&group_id)
         .unwrap()
         .into_iter()
         .find(|n| n.id == added)

@@ -18,13 +18,13 @@ fn config(name: &str, max_nodes: u32, backend: u16) -> String {
 
 /// Serving nodes of the group in the store: (id, ip).
 fn serving(ws: &Workspace, group: &str) -> Vec<(String, String)> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store
-        .nodes_of_group(&g.id)
+    engine
+        .node_rows(&g.id)
         .unwrap()
         .into_iter()
         .filter(|n| n.registered && n.state.as_str() == "active")
@@ -33,12 +33,12 @@ fn serving(ws: &Workspace, group: &str) -> Vec<(String, String)> {
 }
 
 fn events(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::Event> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store.events_of_group(&g.id, 1000).unwrap()
+    engine.events(&g.id, 1000).unwrap()
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {
@@ -507,7 +507,7 @@ output "address" {{ value = {{ for az, v in lbscale_vserver.web.vip : az => spli
         .as_str()
         .unwrap()
         .to_string();
-    let mut nodes = ws.store().nodes_of_group(&group_id).unwrap();
+    let mut nodes = ws.engine().node_rows(&group_id).unwrap();
     nodes.sort_by_key(|n| n.seq);
     // lbscale status shows the span and its holders from the store (the
     // daemon may already want a third node: 2 or more, over both nodes).

@@ -155,13 +155,13 @@ resource "lbscale_vserver" "web" {{
 
 /// The group's nodes in the store: (id, az, state, registered, ip).
 fn nodes(ws: &Workspace, group: &str) -> Vec<(String, String, String, bool, String)> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store
-        .nodes_of_group(&g.id)
+    engine
+        .node_rows(&g.id)
         .unwrap()
         .into_iter()
         .map(|n| {
@@ -185,12 +185,12 @@ fn serving_in(ws: &Workspace, group: &str, az: &str) -> Vec<(String, String)> {
 }
 
 fn events(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::Event> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store.events_of_group(&g.id, 1000).unwrap()
+    engine.events(&g.id, 1000).unwrap()
 }
 
 fn event_in(

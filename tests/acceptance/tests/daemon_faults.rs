@@ -95,21 +95,21 @@ fn node_processes(ws: &Workspace) -> Vec<(String, String)> {
 }
 
 fn rows(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::NodeRow> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store.nodes_of_group(&g.id).unwrap()
+    engine.node_rows(&g.id).unwrap()
 }
 
 fn events(ws: &Workspace, group: &str) -> Vec<lbscale_engine::store::Event> {
-    let store = ws.store();
-    let g = store
-        .group_by_name(group)
+    let engine = ws.engine();
+    let g = engine
+        .group_named(group)
         .unwrap()
         .expect("group in the store");
-    store.events_of_group(&g.id, 10_000).unwrap()
+    engine.events(&g.id, 10_000).unwrap()
 }
 
 /// The safety half, which must hold at every instant: DNS answers only
@@ -340,7 +340,7 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
     let mut ws = Workspace::new("faults-cooldown", 125);
     let (_dns, first_ip) = apply_config(&mut ws, "fcool", &config_with("fcool", backend, 3, "20s"));
     let domain = "fcool.lbscale.test";
-    let group_id = ws.store().group_by_name("fcool").unwrap().unwrap().id;
+    let group_id = ws.engine().group_named("fcool").unwrap().unwrap().id;
 
     let first = start_daemon(&ws, "first", None);
     let load = Load::start(&first_ip, domain);
@@ -351,7 +351,7 @@ fn a_daemon_killed_in_a_cooldown_is_followed_by_one_that_keeps_it() {
     // "until": ms}, ...}`.
     let until = wait_for("the cooldown in the store", BOUND, || {
         let row = ws
-            .store()
+            .engine()
             .policy_states(&group_id)
             .unwrap()
             .into_iter()

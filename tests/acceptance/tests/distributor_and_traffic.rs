@@ -331,7 +331,7 @@ async fn nlb_distributor_forwards_http_and_tcp_and_mode_change_replaces_it() {
         .as_str()
         .unwrap()
         .to_string();
-    let mut nodes_by_age = ws.store().nodes_of_group(&group_id).unwrap();
+    let mut nodes_by_age = ws.engine().node_rows(&group_id).unwrap();
     nodes_by_age.sort_by_key(|n| n.seq);
     let (primary, secondary) = (&nodes_by_age[0], &nodes_by_age[1]);
     let (a, bb, nodes) = spread(&vip, 12);

@@ -93,7 +93,7 @@ async fn a_joining_node_ramps_its_services_against_the_older_node() {
         .unwrap()
         .to_string();
     let engine = ws.engine();
-    let old: NodeRow = ws.store().nodes_of_group(&group_id).unwrap().remove(0);
+    let old: NodeRow = engine.node_rows(&group_id).unwrap().remove(0);
     let old_stats = ws.node_stats(&old).await;
     assert!(
         own(&old_stats).iter().all(|s| !s.in_slow_start),
@@ -103,9 +103,8 @@ async fn a_joining_node_ramps_its_services_against_the_older_node() {
 
     // What the daemon does on a confirmed breach.
     let added = engine.scale_out(&group_id, "az1", "test").await.unwrap();
-    let new = ws
-        .store()
-        .nodes_of_group(&group_id)
+    let new = engine
+        .node_rows(&group_id)
         .unwrap()
         .into_iter()
         .find(|n| n.id == added)
