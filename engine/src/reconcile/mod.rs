@@ -8,16 +8,16 @@
 //! provider and the daemon never act on one group at the same time.
 //!
 //! One module per job, each with its own `impl Engine` block:
-//! - [`leases`]: the group's and the distributor's leases ([`KeptLease`]), and
+//! - `leases`: the group's and the distributor's leases ([`KeptLease`]), and
 //!   the wait of a destroy for what still uses an object;
-//! - [`groups`]: autoscale groups (declare, update, delete, view) and the
+//! - `groups`: autoscale groups (declare, update, delete, view) and the
 //!   reconcile that brings one to its declared shape;
-//! - [`scale_out`]: a node more in an AZ (provision);
-//! - [`scale_in`]: nodes leaving (deregister, TTL, drain, deprovision);
-//! - [`join`]: what a node runs and the push of it, and the rolling restart;
-//! - [`spans`]: how many nodes of an AZ hold a vserver behind an `nlb`;
-//! - [`distributors`]: traffic distributors and what they hand out;
-//! - [`se_groups`], [`vservers`]: the objects placed on a group.
+//! - `scale_out`: a node more in an AZ (provision);
+//! - `scale_in`: nodes leaving (deregister, TTL, drain, deprovision);
+//! - `join`: what a node runs and the push of it, and the rolling restart;
+//! - `spans`: how many nodes of an AZ hold a vserver behind an `nlb`;
+//! - `distributors`: traffic distributors and what they hand out;
+//! - `se_groups`, `vservers`: the objects placed on a group.
 
 mod distributors;
 mod groups;

@@ -89,7 +89,7 @@ impl Engine {
     }
 
     /// Every vserver of the group in every AZ behind an `nlb` distributor, with
-    /// the nodes that hold it (what [`Engine::placements`] places over). Empty
+    /// the nodes that hold it (what `Engine::placements` places over). Empty
     /// behind `dns`: clients reach every node, there is no span to size.
     pub fn vserver_spans(&self, group_id: &str) -> Result<Vec<SpanView>> {
         let mut out = Vec::new();
