@@ -207,8 +207,8 @@ impl AzRuntime {
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let r = match kind {
-                WorkflowKind::ScaleOut => shared.engine.scale_out_in_az(&id, &az, &reason).await,
-                WorkflowKind::ScaleIn => shared.engine.scale_in_in_az(&id, &az, &reason).await,
+                WorkflowKind::ScaleOut => shared.engine.scale_out(&id, &az, &reason).await,
+                WorkflowKind::ScaleIn => shared.engine.scale_in_one(&id, &az, &reason).await,
             };
             drop(claim);
             let took = started.elapsed();

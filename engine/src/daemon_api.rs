@@ -1,5 +1,6 @@
 //! What the daemon asks of the engine: its door to the store, and the
-//! workflows it runs in one availability zone at a time.
+//! workflows it runs in one availability zone at a time (`Engine::scale_out`,
+//! `Engine::scale_in_one`, under the AZ's lease).
 //!
 //! Who may act on a group is decided here, in [`Engine::daemon_turn`]: the
 //! daemon's claim on the group (a lease with a fencing token: a second daemon
@@ -11,12 +12,10 @@
 
 use crate::model::GroupSpec;
 use crate::reconcile::{EngineError, KeptLease, Result};
-use crate::store::{
-    az_lease_key, daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError,
-};
+use crate::store::{daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError};
 use crate::Engine;
 use lbscale_core::policy::{AzState, PolicyConfig};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Whether a daemon may act on a group now.
 pub enum Turn {
@@ -161,108 +160,7 @@ impl Engine {
         self.store.location()
     }
 
-    /// The scale-out workflow in one AZ, under that AZ's lease: provision a
-    /// node, join it and the AZ's other members (their configuration may place
-    /// it), register it and publish the distributor. Refused at `max_nodes`.
-    /// Returns the new node's id. The group's other AZs are not touched.
-    pub async fn scale_out_in_az(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
-        let group = self.group_row(group_id)?;
-        let deadline = Instant::now() + group.spec.apply_timeout();
-        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
-        let out = async {
-            let nodes = self.store.nodes_of_group(group_id)?;
-            let members = nodes
-                .iter()
-                .filter(|n| n.az == az && n.state.is_member())
-                .count() as i64;
-            if !group.spec.availability_zones.iter().any(|z| z == az)
-                || members >= group.spec.max_nodes
-            {
-                return Err(EngineError::Step {
-                    step: "scale out",
-                    detail: format!(
-                        "{az} has {members} node(s), max_nodes is {} (or the AZ is not declared)",
-                        group.spec.max_nodes
-                    ),
-                });
-            }
-            lease.check()?;
-            self.store
-                .record_event(group_id, Some(az), "scale_out", reason)?;
-            let before: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
-            let token = self.group_token(group_id)?;
-            self.provision(&group, az, &token, &lease, "scale-out")
-                .await?;
-            // Only this AZ's members are pushed: the others (passed as left
-            // alone) may be in another AZ's workflow. A placement is per AZ, so
-            // leaving them out changes no configuration of this AZ.
-            let other_azs: Vec<String> = self
-                .store
-                .nodes_of_group(group_id)?
-                .into_iter()
-                .filter(|n| n.az != az)
-                .map(|n| n.id)
-                .collect();
-            let cloud = self.cloud(&group.spec.cloud)?;
-            self.push_configs(cloud, &group, &token, &other_azs, deadline, &lease)
-                .await?;
-            lease.check()?;
-            self.publish(&group.spec.traffic_distributor_id).await?;
-            self.store
-                .nodes_of_group(group_id)?
-                .into_iter()
-                .find(|n| n.az == az && !before.contains(&n.id))
-                .map(|n| n.id)
-                .ok_or_else(|| EngineError::Step {
-                    step: "scale out",
-                    detail: "the new node disappeared".into(),
-                })
-        }
-        .await;
-        lease.release();
-        out
-    }
-
-    /// The scale-in workflow in one AZ, under that AZ's lease: the AZ's newest
-    /// node leaves (out of the distributor, one TTL, drain, deprovision).
-    /// Refused at `min_nodes`. Returns the node's id.
-    pub async fn scale_in_in_az(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
-        let group = self.group_row(group_id)?;
-        let deadline = Instant::now()
-            + group.spec.drain_timeout()
-            + self.ttl_of(&group.spec)?
-            + Duration::from_secs(60);
-        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
-        let out = async {
-            let members: Vec<NodeRow> = self
-                .store
-                .nodes_of_group(group_id)?
-                .into_iter()
-                .filter(|n| n.az == az && n.state.is_member())
-                .collect();
-            if members.len() as i64 <= group.spec.min_nodes {
-                return Err(EngineError::Step {
-                    step: "scale in",
-                    detail: format!(
-                        "{az} has {} node(s), min_nodes is {}",
-                        members.len(),
-                        group.spec.min_nodes
-                    ),
-                });
-            }
-            // Nodes are in creation order: the newest leaves.
-            let leaving = members.last().cloned().expect("more than min_nodes");
-            let id = leaving.id.clone();
-            self.scale_in(&group, vec![leaving], deadline, reason, &lease)
-                .await?;
-            Ok(id)
-        }
-        .await;
-        lease.release();
-        out
-    }
-
-    fn group_row(&self, group_id: &str) -> Result<Row<GroupSpec>> {
+    pub(crate) fn group_row(&self, group_id: &str) -> Result<Row<GroupSpec>> {
         self.store
             .group(group_id)?
             .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))

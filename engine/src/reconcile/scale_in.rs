@@ -7,12 +7,14 @@ use crate::cloud::Cloud;
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
 use crate::nodeapi::NodeClient;
-use crate::store::{NodeRow, NodeState, Row};
+use crate::store::{az_lease_key, NodeRow, NodeState, Row};
 use std::time::{Duration, Instant};
 
 impl Engine {
-    /// The scale-in workflow for one AZ: the newest node leaves (out of the
-    /// distributor, one TTL, drain, deprovision). Refused at min_nodes.
+    /// The scale-in workflow for one AZ, under that AZ's lease (what the daemon
+    /// runs when a breach is confirmed: another AZ's workflow runs meanwhile):
+    /// the AZ's newest node leaves (out of the distributor, one TTL, drain,
+    /// deprovision). Refused at min_nodes. Returns the node's id.
     pub async fn scale_in_one(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
         let group = self
             .store
@@ -22,7 +24,7 @@ impl Engine {
             + group.spec.drain_timeout()
             + self.ttl_of(&group.spec)?
             + Duration::from_secs(60);
-        let lease = self.lease(group_id, deadline).await?;
+        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
         let out = async {
             let members: Vec<NodeRow> = self
                 .store

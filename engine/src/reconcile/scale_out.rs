@@ -6,26 +6,22 @@ use super::{Engine, EngineError, Result};
 use crate::cloud::{Cloud, ProvisionRequest};
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
-use crate::store::{now_ms, NodeRow, NodeState, Row};
+use crate::store::{az_lease_key, now_ms, NodeRow, NodeState, Row};
 use std::time::Instant;
 
 impl Engine {
-    /// The scale-out workflow for one AZ (what the daemon runs when a breach is
-    /// confirmed): provision a node, join it (push every vserver), register it in
-    /// the store and add its address to the distributor. Refused at max_nodes.
-    /// Returns the new node's id.
+    /// The scale-out workflow in one AZ, under that AZ's lease: provision a
+    /// node, join it and the AZ's other members (their configuration may place
+    /// it), register it and publish the distributor. Refused at `max_nodes`.
+    /// Returns the new node's id. The group's other AZs are not touched.
     pub async fn scale_out(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
-        let group = self
-            .store
-            .group(group_id)?
-            .ok_or_else(|| EngineError::NotFound(format!("autoscale group {group_id}")))?;
+        let group = self.group_row(group_id)?;
         let deadline = Instant::now() + group.spec.apply_timeout();
-        let lease = self.lease(group_id, deadline).await?;
+        let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
         let out = async {
-            let members = self
-                .store
-                .nodes_of_group(group_id)?
-                .into_iter()
+            let nodes = self.store.nodes_of_group(group_id)?;
+            let members = nodes
+                .iter()
                 .filter(|n| n.az == az && n.state.is_member())
                 .count() as i64;
             if !group.spec.availability_zones.iter().any(|z| z == az)
@@ -42,27 +38,34 @@ impl Engine {
             lease.check()?;
             self.store
                 .record_event(group_id, Some(az), "scale_out", reason)?;
-            let before: Vec<String> = self
-                .store
-                .nodes_of_group(group_id)?
-                .into_iter()
-                .map(|n| n.id)
-                .collect();
-            // Level-triggered: provisioning one more node and reconciling joins,
-            // configures and registers it like any other.
-            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            let before: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
+            let token = self.group_token(group_id)?;
             self.provision(&group, az, &token, &lease, "scale-out")
                 .await?;
-            self.reconcile_locked(&group, deadline, &lease).await?;
-            let added = self
+            // Only this AZ's members are pushed: the others (passed as left
+            // alone) may be in another AZ's workflow. A placement is per AZ, so
+            // leaving them out changes no configuration of this AZ.
+            let other_azs: Vec<String> = self
                 .store
                 .nodes_of_group(group_id)?
                 .into_iter()
-                .find(|n| !before.contains(&n.id));
-            added.map(|n| n.id).ok_or_else(|| EngineError::Step {
-                step: "scale out",
-                detail: "the new node disappeared".into(),
-            })
+                .filter(|n| n.az != az)
+                .map(|n| n.id)
+                .collect();
+            let cloud = self.cloud(&group.spec.cloud)?;
+            self.push_configs(cloud, &group, &token, &other_azs, deadline, &lease)
+                .await?;
+            lease.check()?;
+            self.publish(&group.spec.traffic_distributor_id).await?;
+            self.store
+                .nodes_of_group(group_id)?
+                .into_iter()
+                .find(|n| n.az == az && !before.contains(&n.id))
+                .map(|n| n.id)
+                .ok_or_else(|| EngineError::Step {
+                    step: "scale out",
+                    detail: "the new node disappeared".into(),
+                })
         }
         .await;
         lease.release();

@@ -291,7 +291,7 @@ provider "lbscale" {{{}
         if let (Some(url), true) = (&self.state, self.state_from_env) {
             cmd.env(lbscale_engine::store::STATE_URL_ENV, url);
         }
-        let out = cmd
+        cmd
             .args(args)
             .current_dir(&self.dir)
             .env("TF_CLI_CONFIG_FILE", &self.cli_config)
