@@ -127,7 +127,10 @@ mod tests {
     #[test]
     fn a_new_group_starts_min_nodes_in_every_az() {
         let p = plan(&shape(&["az1", "az2"], 2, 4), &[]);
-        assert_eq!(p.start, BTreeMap::from([("az1".into(), 2), ("az2".into(), 2)]));
+        assert_eq!(
+            p.start,
+            BTreeMap::from([("az1".into(), 2), ("az2".into(), 2)])
+        );
         assert!(p.leave.is_empty() && p.remove_failed.is_empty());
     }
 
@@ -151,7 +154,10 @@ mod tests {
         let p = plan(&shape(&["az1"], 1, 1), &nodes);
         assert_eq!(
             p.leave,
-            vec![("c".into(), LeaveReason::OverMax), ("b".into(), LeaveReason::OverMax)]
+            vec![
+                ("c".into(), LeaveReason::OverMax),
+                ("b".into(), LeaveReason::OverMax)
+            ]
         );
         assert!(p.start.is_empty());
     }

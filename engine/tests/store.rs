@@ -327,8 +327,12 @@ store_test!(
         group(&s, "g1");
         let ttl = Duration::from_secs(30);
         // A daemon's workflows in two AZs at once.
-        let az1 = s.acquire_lease(&az_lease_key("g1", "az1"), "daemon", ttl).unwrap();
-        let az2 = s.acquire_lease(&az_lease_key("g1", "az2"), "daemon", ttl).unwrap();
+        let az1 = s
+            .acquire_lease(&az_lease_key("g1", "az1"), "daemon", ttl)
+            .unwrap();
+        let az2 = s
+            .acquire_lease(&az_lease_key("g1", "az2"), "daemon", ttl)
+            .unwrap();
         // Never two in one AZ.
         assert!(matches!(
             s.acquire_lease(&az_lease_key("g1", "az1"), "other", ttl),
@@ -343,7 +347,10 @@ store_test!(
         group(&s, "g10");
         s.acquire_lease("g10", "apply", ttl).unwrap();
         s.release_lease(&az1).unwrap();
-        assert!(s.acquire_lease("g1", "apply", ttl).is_err(), "az2 still runs");
+        assert!(
+            s.acquire_lease("g1", "apply", ttl).is_err(),
+            "az2 still runs"
+        );
         s.release_lease(&az2).unwrap();
         let apply = s.acquire_lease("g1", "apply", ttl).unwrap();
         assert_eq!(s.lease_holder("g1").unwrap().as_deref(), Some("apply"));
@@ -353,7 +360,8 @@ store_test!(
             s.acquire_lease(&az_lease_key("g1", "az2"), "daemon", ttl),
             Err(StoreError::LeaseHeld { .. })
         ));
-        s.acquire_lease(&az_lease_key("g1", "az2"), "apply", ttl).unwrap();
+        s.acquire_lease(&az_lease_key("g1", "az2"), "apply", ttl)
+            .unwrap();
         s.release_lease(&apply).unwrap();
         assert_eq!(s.lease_holder("g1").unwrap(), None);
         // The AZ leases go with the group.

@@ -160,7 +160,10 @@ pub fn output_within(cmd: &mut Command, limit: Duration, what: &str) -> std::pro
         if Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("timed out after {}s waiting for {what} to end", limit.as_secs());
+            panic!(
+                "timed out after {}s waiting for {what} to end",
+                limit.as_secs()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -291,8 +294,7 @@ provider "lbscale" {{{}
         if let (Some(url), true) = (&self.state, self.state_from_env) {
             cmd.env(lbscale_engine::store::STATE_URL_ENV, url);
         }
-        cmd
-            .args(args)
+        cmd.args(args)
             .current_dir(&self.dir)
             .env("TF_CLI_CONFIG_FILE", &self.cli_config)
             .env("CHECKPOINT_DISABLE", "1")
@@ -300,7 +302,11 @@ provider "lbscale" {{{}
             // A belt only: the provider itself must never report a backtrace.
             .env_remove("RUST_BACKTRACE")
             .env_remove("TF_LOG");
-        let out = output_within(&mut cmd, TERRAFORM_LIMIT, &format!("terraform {}", args.join(" ")));
+        let out = output_within(
+            &mut cmd,
+            TERRAFORM_LIMIT,
+            &format!("terraform {}", args.join(" ")),
+        );
         Output {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -755,7 +761,11 @@ impl Workspace {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let out = output_within(&mut cmd, TERRAFORM_LIMIT, &format!("terraform {}", args.join(" ")));
+        let out = output_within(
+            &mut cmd,
+            TERRAFORM_LIMIT,
+            &format!("terraform {}", args.join(" ")),
+        );
         Output {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

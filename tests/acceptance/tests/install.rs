@@ -30,7 +30,11 @@ fn package(bin: &Path, out: &Path) -> Output {
         .arg("--dist")
         .arg(out.join("dist"));
     // --bin-dir builds nothing: a few seconds of zipping.
-    let o = output_within(&mut cmd, Duration::from_secs(300), "scripts/package-provider.sh");
+    let o = output_within(
+        &mut cmd,
+        Duration::from_secs(300),
+        "scripts/package-provider.sh",
+    );
     Output {
         code: o.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),

@@ -345,7 +345,10 @@ resource "lbscale_autoscale_group" "other" {{
         &out,
         &[
             ("# udp", "UDP applications need a dns traffic distributor"),
-            ("# simulation min", "group.min_nodes: must be a whole number from 0 to 4294967295, got -1"),
+            (
+                "# simulation min",
+                "group.min_nodes: must be a whole number from 0 to 4294967295, got -1",
+            ),
         ],
         "error",
     );
