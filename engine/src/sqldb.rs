@@ -12,17 +12,25 @@
 //! - which tables exist ([`Dialect::tables_sql`]);
 //! - errors: a lock wait that timed out is [`StoreError::Locked`] on both.
 //!
+//! - the clock: [`NOW_MS`] in a statement is the database's own clock.
+//!
 //! PostgreSQL is reached through the synchronous `postgres` client, which runs its
 //! own Tokio runtime and must not be called on a thread that drives async tasks
-//! (the provider and the daemon call the store from async code). So the client
+//! (the provider and the daemon call the store from async code). So each client
 //! lives on a dedicated thread ([`PgConn`]); each call sends it the SQL and owned
-//! parameters over a channel and waits for the rows, as a SQLite call blocks on
-//! the file.
+//! parameters over a channel and waits for the rows, at most the call's
+//! deadline. Connections come from small pools ([`PgPool`]) whose lock is never
+//! held across a call: a connection that stalls (a stopped server, a half-open
+//! socket) is given up at its deadline, while the others, and the pool kept for
+//! lease renewals, go on. Every connection has TCP keepalives, a connect
+//! timeout, the server's `statement_timeout`, `lock_timeout` and
+//! `idle_in_transaction_session_timeout`, and is closed after an idle timeout.
 
 use crate::store::{Result, StoreError};
 use std::collections::HashMap;
-use std::sync::mpsc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// A parameter or a column value.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,6 +138,11 @@ pub(crate) trait Db {
     }
 }
 
+/// Written in a statement, the database's own clock in Unix milliseconds:
+/// lease expiries are set and compared by the one clock of the database, never
+/// by the clocks of the hosts that share it.
+pub(crate) const NOW_MS: &str = "{{now_ms}}";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Dialect {
     Sqlite,
@@ -143,6 +156,14 @@ impl Dialect {
             Dialect::Sqlite => sql.to_string(),
             Dialect::Postgres => pg_ddl(sql),
         }
+    }
+    /// `sql` with [`NOW_MS`] as this database's clock reads it.
+    pub fn with_clock(self, sql: &str) -> String {
+        let now = match self {
+            Dialect::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+            Dialect::Postgres => "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+        };
+        sql.replace(NOW_MS, now)
     }
     /// Counts the store's tables other than `meta`.
     pub fn tables_sql(self) -> &'static str {
@@ -210,7 +231,7 @@ impl rusqlite::ToSql for Value {
 
 impl Db for SqliteDb<'_> {
     fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
-        let mut st = self.0.prepare_cached(sql)?;
+        let mut st = self.0.prepare_cached(&Dialect::Sqlite.with_clock(sql))?;
         let n = st.column_count();
         let mut rows = st.query(rusqlite::params_from_iter(params))?;
         let mut out = Vec::new();
@@ -235,7 +256,7 @@ impl Db for SqliteDb<'_> {
         Ok(out)
     }
     fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
-        let mut st = self.0.prepare_cached(sql)?;
+        let mut st = self.0.prepare_cached(&Dialect::Sqlite.with_clock(sql))?;
         Ok(st.execute(rusqlite::params_from_iter(params))? as u64)
     }
     fn batch(&mut self, sql: &str) -> Result<()> {
@@ -320,20 +341,60 @@ pub(crate) struct PgFailure {
 
 type Reply = std::result::Result<Answer, PgFailure>;
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The deadlines and limits of the store's PostgreSQL connections.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PgLimits {
+    /// How long a statement waits for a lock (`lock_timeout`): the store's
+    /// write lock, a row another writer holds.
+    pub lock_wait: Duration,
+    /// The server's `statement_timeout` (and `idle_in_transaction_session_timeout`):
+    /// a statement, or a transaction left open by a client that went away, ends
+    /// this long after it started. Longer than `lock_wait`.
+    pub statement_timeout: Duration,
+    /// How long a call waits for the server's answer before it gives the
+    /// connection up as stalled (a stopped server, a half-open socket): the
+    /// server's own timeouts cannot fire when the server does not run.
+    pub call_deadline: Duration,
+    /// A connection unused this long is closed instead of reused.
+    pub idle_timeout: Duration,
+    /// Connections of one pool, stalled ones included until their thread ends.
+    pub max_connections: usize,
+}
 
-/// A PostgreSQL connection owned by its own thread (see the module docs).
-pub(crate) struct PgConn {
-    tx: mpsc::Sender<(Req, mpsc::SyncSender<Reply>)>,
+impl PgLimits {
+    pub fn new(lock_wait: Duration) -> PgLimits {
+        let statement_timeout = lock_wait + Duration::from_secs(5);
+        PgLimits {
+            lock_wait,
+            statement_timeout,
+            call_deadline: statement_timeout + Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            max_connections: 4,
+        }
+    }
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalives: a peer that vanished (a host gone, a network cut) is noticed
+/// after about 15 + 3 × 5 s instead of the system's two hours.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// How to open connections to one PostgreSQL store (shared by its pools).
+#[derive(Clone)]
+pub(crate) struct PgTarget {
+    config: postgres::Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     /// The URL with its password masked, for messages.
     redacted: String,
     /// The password (if any), so that no message can carry it.
     secret: Option<String>,
 }
 
-impl PgConn {
-    /// Connects (on the new thread) and sets `lock_timeout` to `lock_wait`.
-    pub fn connect(url: &str, lock_wait: Duration) -> Result<PgConn> {
+impl PgTarget {
+    /// Reads the URL (and its TLS parameters); connects to nothing yet.
+    pub fn parse(url: &str) -> Result<PgTarget> {
         let redacted = redact_url(url);
         let secret = password_of(url);
         let invalid = |detail: String| StoreError::Open {
@@ -349,50 +410,132 @@ impl PgConn {
             ))
         })?;
         // An unreachable server fails the call instead of hanging for the
-        // system's TCP timeout (the URL's `connect_timeout` wins).
+        // system's TCP timeout; a vanished peer is noticed by keepalives. The
+        // URL's own `connect_timeout` / `keepalives_*` win.
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
+        let query = url.split_once('?').map_or("", |(_, q)| q);
+        config.keepalives(true);
+        if !query.contains("keepalives_idle") {
+            config.keepalives_idle(KEEPALIVE_IDLE);
+        }
+        if !query.contains("keepalives_interval") {
+            config.keepalives_interval(KEEPALIVE_INTERVAL);
+        }
+        if !query.contains("keepalives_retries") {
+            config.keepalives_retries(KEEPALIVE_RETRIES);
+        }
         config.ssl_mode(tls.client_mode());
-        let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
-        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-        std::thread::Builder::new()
-            .name("lbscale-postgres".into())
-            .spawn(move || worker(config, connector, lock_wait, rx, ready_tx))
-            .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
-        let conn = PgConn {
-            tx,
+        Ok(PgTarget {
+            config,
+            tls: connector,
             redacted,
             secret,
-        };
-        match ready_rx.recv() {
-            Ok(Ok(())) => Ok(conn),
-            Ok(Err(f)) => Err(StoreError::Open {
-                store: conn.redacted.clone(),
-                detail: scrub(&f.message, conn.secret.as_deref()),
-            }),
-            Err(_) => Err(StoreError::Open {
-                store: conn.redacted.clone(),
-                detail: "the PostgreSQL thread ended".into(),
-            }),
-        }
+        })
     }
 
     pub fn redacted(&self) -> &str {
         &self.redacted
     }
+}
+
+/// A PostgreSQL connection owned by its own thread (see the module docs).
+pub(crate) struct PgConn {
+    tx: mpsc::Sender<(Req, mpsc::SyncSender<Reply>)>,
+    secret: Option<String>,
+    /// How long a call waits for its answer (see [`PgLimits::call_deadline`]).
+    deadline: Duration,
+    /// A call timed out: the thread may still be blocked in it, so the
+    /// connection is never used again (it ends when that call does).
+    stalled: bool,
+    idle_since: Instant,
+}
+
+/// Counts a pool's live connection threads; the thread's guard gives its
+/// slot back when it ends (however late a stalled call returns).
+struct Slot(Arc<AtomicUsize>);
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl PgConn {
+    /// Connects on a new thread, within the connect timeout, with the session
+    /// settings of `limits`. `slot` is released when the thread ends.
+    fn connect(target: &PgTarget, limits: PgLimits, slot: Slot) -> Result<PgConn> {
+        let open_err = |detail: String| StoreError::Open {
+            store: target.redacted.clone(),
+            detail: scrub(&detail, target.secret.as_deref()),
+        };
+        let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let (config, tls) = (target.config.clone(), target.tls.clone());
+        std::thread::Builder::new()
+            .name("lbscale-postgres".into())
+            .spawn(move || {
+                let _slot = slot;
+                worker(config, tls, limits, rx, ready_tx)
+            })
+            .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
+        let wait = target
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(CONNECT_TIMEOUT)
+            + limits.call_deadline;
+        match ready_rx.recv_timeout(wait) {
+            Ok(Ok(())) => Ok(PgConn {
+                tx,
+                secret: target.secret.clone(),
+                deadline: limits.call_deadline,
+                stalled: false,
+                idle_since: Instant::now(),
+            }),
+            Ok(Err(f)) => Err(open_err(f.message)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(StoreError::Unreachable(format!(
+                "{}: no connection within {} s",
+                target.redacted,
+                wait.as_secs()
+            ))),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(open_err("the PostgreSQL thread ended".into()))
+            }
+        }
+    }
 
     fn call(&mut self, req: Req) -> Result<Answer> {
+        if self.stalled {
+            return Err(StoreError::Unreachable(
+                "the PostgreSQL connection stalled earlier".into(),
+            ));
+        }
         let (reply_tx, reply_rx) = mpsc::sync_channel(1);
         let gone = || StoreError::Sql("the PostgreSQL connection thread is gone".into());
         self.tx.send((req, reply_tx)).map_err(|_| gone())?;
-        match reply_rx.recv().map_err(|_| gone())? {
+        let reply = match reply_rx.recv_timeout(self.deadline) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                self.stalled = true;
+                return Err(StoreError::Unreachable(format!(
+                    "PostgreSQL did not answer within {} ms",
+                    self.deadline.as_millis()
+                )));
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(gone()),
+        };
+        match reply {
             Ok(a) => Ok(a),
             Err(f) => {
                 let message = scrub(&f.message, self.secret.as_deref());
                 Err(match f.code.as_deref() {
                     // lock_not_available: lock_timeout passed while waiting.
                     Some("55P03") => StoreError::Locked(message),
+                    // query_canceled: statement_timeout (or a cancel request).
+                    Some("57014") => StoreError::Unreachable(message),
+                    // connection_exception: the socket failed or closed.
+                    Some(c) if c.starts_with("08") => StoreError::Unreachable(message),
                     _ => StoreError::Sql(message),
                 })
             }
@@ -402,13 +545,15 @@ impl PgConn {
 
 impl Db for PgConn {
     fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
-        match self.call(Req::Query(pg_placeholders(sql), params.to_vec()))? {
+        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
+        match self.call(Req::Query(sql, params.to_vec()))? {
             Answer::Rows(r) => Ok(r),
             _ => unreachable!("a query answers rows"),
         }
     }
     fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
-        match self.call(Req::Execute(pg_placeholders(sql), params.to_vec()))? {
+        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
+        match self.call(Req::Execute(sql, params.to_vec()))? {
             Answer::Count(n) => Ok(n),
             _ => unreachable!("an execute answers a count"),
         }
@@ -421,8 +566,152 @@ impl Db for PgConn {
     }
 }
 
+/// A few connections to one store, each on its own thread. The pool's lock is
+/// held only to take or give back a connection, never across a call; a call
+/// that stalls past its deadline loses its connection (not the pool), and its
+/// thread keeps its slot until the call returns, so that a stalled server is
+/// not answered with ever more connections.
+pub(crate) struct PgPool {
+    target: PgTarget,
+    limits: PgLimits,
+    idle: Mutex<Vec<PgConn>>,
+    freed: Condvar,
+    threads: Arc<AtomicUsize>,
+    /// For messages: which pool ("store", "leases").
+    name: &'static str,
+}
+
+impl PgPool {
+    pub fn new(target: PgTarget, limits: PgLimits, name: &'static str) -> PgPool {
+        PgPool {
+            target,
+            limits,
+            idle: Mutex::new(Vec::new()),
+            freed: Condvar::new(),
+            threads: Arc::new(AtomicUsize::new(0)),
+            name,
+        }
+    }
+
+    /// A connection, waiting at most `wait` for one to be free; each of its
+    /// calls waits at most `deadline` for its answer.
+    pub fn get(&self, wait: Duration, deadline: Duration) -> Result<Pooled<'_>> {
+        let until = Instant::now() + wait;
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            while let Some(mut c) = idle.pop() {
+                if c.idle_since.elapsed() < self.limits.idle_timeout {
+                    c.deadline = deadline;
+                    return Ok(Pooled {
+                        pool: self,
+                        conn: Some(c),
+                    });
+                }
+            }
+            if let Some(slot) = self.reserve() {
+                drop(idle);
+                let mut c = PgConn::connect(&self.target, self.limits, slot)?;
+                c.deadline = deadline;
+                return Ok(Pooled {
+                    pool: self,
+                    conn: Some(c),
+                });
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Err(StoreError::Unreachable(format!(
+                    "all {} connections of the {} pool to {} are busy or stalled (waited {} ms)",
+                    self.limits.max_connections,
+                    self.name,
+                    self.target.redacted,
+                    wait.as_millis()
+                )));
+            }
+            // A stalled thread that ends does not signal: look again soon.
+            let step = (until - now).min(Duration::from_millis(50));
+            idle = self
+                .freed
+                .wait_timeout(idle, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn reserve(&self) -> Option<Slot> {
+        let max = self.limits.max_connections;
+        self.threads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(self.threads.clone()))
+    }
+
+    fn put(&self, mut c: PgConn) {
+        if c.stalled {
+            return;
+        }
+        c.idle_since = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let timeout = self.limits.idle_timeout;
+        idle.retain(|c| c.idle_since.elapsed() < timeout);
+        idle.push(c);
+        drop(idle);
+        self.freed.notify_one();
+    }
+
+    pub fn limits(&self) -> PgLimits {
+        self.limits
+    }
+}
+
+/// A connection taken from a [`PgPool`], given back when dropped (unless it
+/// stalled).
+pub(crate) struct Pooled<'a> {
+    pool: &'a PgPool,
+    conn: Option<PgConn>,
+}
+
+impl Pooled<'_> {
+    fn conn(&mut self) -> &mut PgConn {
+        self.conn.as_mut().expect("a pooled connection")
+    }
+    /// Whether a call of this connection timed out (it is not given back).
+    pub fn stalled(&self) -> bool {
+        self.conn.as_ref().is_none_or(|c| c.stalled)
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            self.pool.put(c);
+        }
+    }
+}
+
+impl Db for Pooled<'_> {
+    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
+        self.conn().query(sql, params)
+    }
+    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
+        self.conn().execute(sql, params)
+    }
+    fn batch(&mut self, sql: &str) -> Result<()> {
+        self.conn().batch(sql)
+    }
+    fn dialect(&self) -> Dialect {
+        Dialect::Postgres
+    }
+}
+
 fn failure(e: postgres::Error) -> PgFailure {
-    let code = e.code().map(|c| c.code().to_string());
+    // An error that is not the server's is the connection's (I/O, closed).
+    let code = match e.code() {
+        Some(c) => Some(c.code().to_string()),
+        None if e.as_db_error().is_none() => Some("08000".to_string()),
+        None => None,
+    };
     // `Display` of a server error is only "db error"; the detail is in the source.
     let message = match e.as_db_error() {
         Some(db) => format!("{}: {}", db.severity(), db.message()),
@@ -448,7 +737,7 @@ fn params(p: &[Value]) -> Vec<&(dyn postgres::types::ToSql + Sync)> {
 fn worker(
     config: postgres::Config,
     tls: tokio_postgres_rustls::MakeRustlsConnect,
-    lock_wait: Duration,
+    limits: PgLimits,
     rx: mpsc::Receiver<(Req, mpsc::SyncSender<Reply>)>,
     ready: mpsc::SyncSender<std::result::Result<(), PgFailure>>,
 ) {
@@ -469,8 +758,14 @@ fn worker(
             }
             Err(e) => return Err(failure(e)),
         };
-        c.batch_execute(&format!("SET lock_timeout = '{}ms'", lock_wait.as_millis()))
-            .map_err(failure)?;
+        c.batch_execute(&format!(
+            "SET lock_timeout = '{}ms'; SET statement_timeout = '{}ms'; \
+             SET idle_in_transaction_session_timeout = '{}ms'",
+            limits.lock_wait.as_millis(),
+            limits.statement_timeout.as_millis(),
+            limits.statement_timeout.as_millis(),
+        ))
+        .map_err(failure)?;
         Ok(c)
     };
     let mut client = match connect(&config) {

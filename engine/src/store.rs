@@ -15,17 +15,20 @@
 //!   A PostgreSQL URL's password never appears in a message.
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
-use crate::sqldb::{redact_url, vals, Db, PgConn, SqlRow, SqliteDb, Value};
+use crate::sqldb::{
+    redact_url, vals, Db, PgLimits, PgPool, PgTarget, SqlRow, SqliteDb, Value, NOW_MS,
+};
 use lbscale_core::policy::AzState;
 use rusqlite::Connection;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -82,6 +85,14 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE groups ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
     "#,
+    // 4 -> 5: an event repeated (same AZ, kind and reason as the group's latest)
+    // is one row: how many times, and when last (`time_ms` is the first).
+    r#"
+    ALTER TABLE events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE events ADD COLUMN last_ms INTEGER NOT NULL DEFAULT 0;
+    UPDATE events SET last_ms = time_ms;
+    CREATE INDEX events_by_age ON events (group_id, last_ms);
+    "#,
 ];
 
 /// How long a call waits for another process's write lock before failing.
@@ -102,6 +113,10 @@ pub enum StoreError {
     TooNew { store: String, found: i64 },
     #[error("the store is locked by another process; gave up waiting for its lock after the busy timeout: {0}")]
     Locked(String),
+    /// The database did not answer in time, or the connection failed: nothing
+    /// is known to have been written by the call that failed.
+    #[error("the store is unreachable: {0}")]
+    Unreachable(String),
     #[error("store: {0}")]
     Sql(String),
     #[error("store: a stored {what} could not be read: {detail}")]
@@ -126,6 +141,9 @@ pub enum StoreError {
     /// side effect (the new holder owns the group now).
     #[error("lost the lease on group {group}: {detail}")]
     LeaseLost { group: String, detail: String },
+    /// A store setting (from the environment) that does not read; names it.
+    #[error("{0}")]
+    Setting(String),
     /// A claim on a group that is no longer in the store (destroyed meanwhile).
     #[error("group {0} is not in the store (destroyed)")]
     GroupGone(String),
@@ -223,11 +241,85 @@ impl NodeState {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
+    /// Unix ms of its first occurrence.
     pub time_ms: i64,
     pub group_id: String,
     pub az: Option<String>,
     pub kind: String,
     pub reason: String,
+    /// How many times it happened in a row (the same AZ, kind and reason).
+    #[serde(default = "one")]
+    pub count: u64,
+    /// Unix ms of its last occurrence (`time_ms` when `count` is 1).
+    #[serde(default)]
+    pub last_ms: i64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// How many events the store keeps per group: those whose last occurrence is
+/// younger than `max_age`, and of those the newest `max_per_group`. Applied to
+/// a group at each of its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventRetention {
+    pub max_per_group: u64,
+    pub max_age: Duration,
+}
+
+/// [`EventRetention::max_per_group`] from the environment.
+pub const EVENTS_MAX_PER_GROUP_ENV: &str = "LBSCALE_EVENTS_MAX_PER_GROUP";
+/// [`EventRetention::max_age`] from the environment.
+pub const EVENTS_MAX_AGE_ENV: &str = "LBSCALE_EVENTS_MAX_AGE";
+
+impl Default for EventRetention {
+    fn default() -> Self {
+        EventRetention {
+            max_per_group: 1000,
+            max_age: Duration::from_secs(30 * 24 * 3600),
+        }
+    }
+}
+
+impl EventRetention {
+    /// The defaults, with [`EVENTS_MAX_PER_GROUP_ENV`] and [`EVENTS_MAX_AGE_ENV`]
+    /// where set and not blank; a bad value is refused naming the variable.
+    pub fn from_env() -> Result<EventRetention> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        EventRetention::parse(
+            var(EVENTS_MAX_PER_GROUP_ENV).as_deref(),
+            var(EVENTS_MAX_AGE_ENV).as_deref(),
+        )
+    }
+
+    /// As [`EventRetention::from_env`], from the two values.
+    pub fn parse(max_per_group: Option<&str>, max_age: Option<&str>) -> Result<EventRetention> {
+        let mut r = EventRetention::default();
+        let bad = |detail: String| StoreError::Setting(detail);
+        if let Some(v) = max_per_group {
+            r.max_per_group = match v.trim().parse::<u64>() {
+                Ok(n) if (1..=1_000_000).contains(&n) => n,
+                _ => {
+                    return Err(bad(format!(
+                        "{EVENTS_MAX_PER_GROUP_ENV}: must be a whole number from 1 to 1000000, got {v:?}"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = max_age {
+            r.max_age = match lbscale_core::duration::parse_duration(v) {
+                Ok(d) if d >= Duration::from_secs(60) => d,
+                Ok(_) => {
+                    return Err(bad(format!(
+                        "{EVENTS_MAX_AGE_ENV}: must be at least 1m, got {v:?}"
+                    )))
+                }
+                Err(e) => return Err(bad(format!("{EVENTS_MAX_AGE_ENV}: {e}"))),
+            };
+        }
+        Ok(r)
+    }
 }
 
 /// The environment variable that gives the store's URL where the provider's
@@ -300,7 +392,13 @@ pub struct Lease {
 /// Where a store lives.
 enum Backend {
     Sqlite(Mutex<Connection>),
-    Postgres(Mutex<PgConn>),
+    Postgres {
+        /// Every call but the lease renewals.
+        pool: PgPool,
+        /// Lease renewals, releases and checks alone: a stalled query or a
+        /// busy pool never delays the renewal that keeps a holder's work going.
+        leases: PgPool,
+    },
 }
 
 /// Every write transaction on PostgreSQL first takes this transaction-scoped
@@ -315,6 +413,11 @@ pub struct Store {
     /// Where drivers keep files on this machine (for `local`: runtime state).
     local_dir: PathBuf,
     path: Option<PathBuf>,
+    /// Added to this host's clock where the store stamps a time of its own
+    /// (events, rows' `created_at`): tests run a host whose clock is off. Lease
+    /// times never use it: they are the database's.
+    clock_offset_ms: AtomicI64,
+    retention: Mutex<EventRetention>,
 }
 
 impl Store {
@@ -343,13 +446,30 @@ impl Store {
     /// Opens a PostgreSQL store; a call waits at most `lock_wait` for another
     /// writer before failing with [`StoreError::Locked`].
     pub fn open_postgres(url: &str, base_dir: &Path, lock_wait: Duration) -> Result<Store> {
-        let conn = PgConn::connect(url, lock_wait)?;
+        let target = PgTarget::parse(url)?;
+        let limits = PgLimits::new(lock_wait);
+        // Lease statements are one row each: short deadlines, so that a
+        // renewal that stalls is retried well within the lease's TTL.
+        let lease_limits = PgLimits {
+            lock_wait: Duration::from_secs(2),
+            statement_timeout: Duration::from_secs(3),
+            call_deadline: Duration::from_secs(4),
+            max_connections: 2,
+            ..limits
+        };
         let store = Store {
-            location: conn.redacted().to_string(),
-            backend: Backend::Postgres(Mutex::new(conn)),
+            location: target.redacted().to_string(),
+            backend: Backend::Postgres {
+                pool: PgPool::new(target.clone(), limits, "store"),
+                leases: PgPool::new(target, lease_limits, "lease"),
+            },
             local_dir: base_dir.join(".lbscale"),
             path: None,
+            clock_offset_ms: AtomicI64::new(0),
+            retention: Mutex::new(EventRetention::from_env()?),
         };
+        // The first connection says at once whether the server is there.
+        store.with(|_| Ok(()))?;
         store.migrate()?;
         Ok(store)
     }
@@ -400,6 +520,8 @@ impl Store {
             local_dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
             path: Some(path.to_path_buf()),
             backend: Backend::Sqlite(Mutex::new(conn)),
+            clock_offset_ms: AtomicI64::new(0),
+            retention: Mutex::new(EventRetention::from_env()?),
         };
         store.migrate()?;
         Ok(store)
@@ -426,7 +548,38 @@ impl Store {
     pub fn backend_name(&self) -> &'static str {
         match self.backend {
             Backend::Sqlite(_) => "sqlite",
-            Backend::Postgres(_) => "postgres",
+            Backend::Postgres { .. } => "postgres",
+        }
+    }
+
+    /// This host's clock as the store stamps times with (Unix ms).
+    fn now(&self) -> i64 {
+        now_ms() + self.clock_offset_ms.load(Ordering::Relaxed)
+    }
+
+    /// Test support: runs this handle as a host whose clock is `offset_ms` off.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn set_clock_offset_for_tests(&self, offset_ms: i64) {
+        self.clock_offset_ms.store(offset_ms, Ordering::Relaxed);
+    }
+
+    /// How long events are kept (see [`EventRetention`]).
+    pub fn set_event_retention(&self, r: EventRetention) {
+        *self.retention.lock().unwrap_or_else(|e| e.into_inner()) = r;
+    }
+    pub fn event_retention(&self) -> EventRetention {
+        *self.retention.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the store answers a trivial query within `deadline` (waiting
+    /// for a free connection included): the daemon's health probe.
+    pub fn probe(&self, deadline: Duration) -> Result<()> {
+        match &self.backend {
+            Backend::Sqlite(_) => self.with(|c| c.int("SELECT 1", &[]).map(|_| ())),
+            Backend::Postgres { pool, .. } => off_runtime(|| {
+                let mut c = pool.get(deadline, deadline)?;
+                c.int("SELECT 1", &[]).map(|_| ())
+            }),
         }
     }
 
@@ -473,17 +626,30 @@ impl Store {
         })
     }
 
-    /// Runs `f` on the connection, each statement on its own (autocommit).
+    /// Runs `f` on a connection, each statement on its own (autocommit).
     fn with<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
-        match &self.backend {
+        off_runtime(|| match &self.backend {
             Backend::Sqlite(c) => {
-                let conn = c.lock().unwrap();
+                let conn = c.lock().unwrap_or_else(|e| e.into_inner());
                 f(&mut SqliteDb(&conn))
             }
-            Backend::Postgres(c) => {
-                let mut conn = c.lock().unwrap();
-                f(&mut *conn)
+            Backend::Postgres { pool, .. } => {
+                let l = pool.limits();
+                let mut conn = pool.get(l.call_deadline, l.call_deadline)?;
+                f(&mut conn)
             }
+        })
+    }
+
+    /// As [`Store::with`], on the connections kept for leases.
+    fn with_leases<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
+        match &self.backend {
+            Backend::Sqlite(_) => self.with(f),
+            Backend::Postgres { leases, .. } => off_runtime(|| {
+                let l = leases.limits();
+                let mut conn = leases.get(l.call_deadline, l.call_deadline)?;
+                f(&mut conn)
+            }),
         }
     }
 
@@ -491,33 +657,44 @@ impl Store {
     /// otherwise. Write transactions do not overlap (SQLite: `BEGIN IMMEDIATE`;
     /// PostgreSQL: the store's advisory lock).
     fn tx<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
+        off_runtime(|| self.tx_here(f))
+    }
+
+    fn tx_here<T>(&self, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
         match &self.backend {
             Backend::Sqlite(c) => {
-                let mut conn = c.lock().unwrap();
+                let mut conn = c.lock().unwrap_or_else(|e| e.into_inner());
                 let tx =
                     conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
                 let out = f(&mut SqliteDb(&tx))?;
                 tx.commit()?;
                 Ok(out)
             }
-            Backend::Postgres(c) => {
-                let mut conn = c.lock().unwrap();
+            Backend::Postgres { pool, .. } => {
+                let l = pool.limits();
+                let mut conn = pool.get(l.call_deadline, l.call_deadline)?;
+                // A stalled connection is dropped, not rolled back: its server
+                // ends the transaction (idle_in_transaction_session_timeout, or
+                // the socket closing when the stalled call returns).
+                let rollback = |conn: &mut crate::sqldb::Pooled<'_>| {
+                    if !conn.stalled() {
+                        let _ = conn.batch("ROLLBACK");
+                    }
+                };
                 conn.batch(&format!(
                     "BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})"
                 ))
-                .inspect_err(|_| {
-                    let _ = conn.batch("ROLLBACK");
-                })?;
-                match f(&mut *conn) {
+                .inspect_err(|_| rollback(&mut conn))?;
+                match f(&mut conn) {
                     Ok(out) => match conn.batch("COMMIT") {
                         Ok(()) => Ok(out),
                         Err(e) => {
-                            let _ = conn.batch("ROLLBACK");
+                            rollback(&mut conn);
                             Err(e)
                         }
                     },
                     Err(e) => {
-                        conn.batch("ROLLBACK")?;
+                        rollback(&mut conn);
                         Err(e)
                     }
                 }
@@ -650,7 +827,7 @@ impl Store {
             "traffic distributor",
             "INSERT INTO distributors (id, name, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
             &spec.name,
-            vals![id, &spec.name, json, now_ms()],
+            vals![id, &spec.name, json, self.now()],
         )
     }
     pub fn update_distributor(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
@@ -707,7 +884,7 @@ impl Store {
             "autoscale group",
             "INSERT INTO groups (id, name, distributor_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
             &spec.name,
-            vals![id, &spec.name, &spec.traffic_distributor_id, json, now_ms()],
+            vals![id, &spec.name, &spec.traffic_distributor_id, json, self.now()],
         )?;
         self.with(|c| {
             c.execute(
@@ -886,7 +1063,7 @@ impl Store {
             "policy state is written under the group's daemon claim"
         );
         let json = serde_json::to_string(state).expect("policy state serialises");
-        let now = now_ms();
+        let now = self.now();
         let lost = |detail: String| {
             Err(StoreError::LeaseLost {
                 group: claim.group_id.clone(),
@@ -894,16 +1071,38 @@ impl Store {
             })
         };
         self.tx(|tx| {
-            match lease_row(tx, &claim.group_id)? {
-                Some((h, f, exp)) if h == claim.holder && f == claim.fence && exp > now => {}
-                Some((h, f, _)) => {
+            // Fenced in the statement: written only where the claim is this
+            // holder's with this fence, unexpired by the database's clock, the
+            // group still there, and no newer claim wrote the row.
+            let written = tx.execute(
+                &format!(
+                    "INSERT INTO policy_state (group_id, az, state, holder, fence, updated_at)
+                     SELECT ?1, ?2, ?3, ?4, CAST(?5 AS BIGINT), CAST(?6 AS BIGINT)
+                     WHERE EXISTS (SELECT 1 FROM leases WHERE group_id = ?7 AND holder = ?4
+                                   AND fence = ?5 AND expires_ms > {NOW_MS})
+                       AND EXISTS (SELECT 1 FROM groups WHERE id = ?1)
+                     ON CONFLICT (group_id, az) DO UPDATE SET state = excluded.state,
+                       holder = excluded.holder, fence = excluded.fence, updated_at = excluded.updated_at
+                     WHERE policy_state.fence <= excluded.fence"
+                ),
+                vals![group_id, az, json, &claim.holder, claim.fence, now, &claim.group_id],
+            )?;
+            if written == 1 {
+                return Ok(());
+            }
+            // Not written: say why.
+            match live_lease(tx, &claim.group_id)? {
+                Some((h, _)) if h == claim.holder => {}
+                Some((h, _)) => {
                     return lost(format!(
-                        "policy state not written: {h} holds the claim (fence {f}, ours was {}), or it expired",
+                        "policy state not written: {h} holds the claim (ours had fence {})",
                         claim.fence
                     ))
                 }
-                None => return lost("policy state not written: the claim is gone".into()),
+                None => return lost("policy state not written: the claim expired or is gone".into()),
             }
+            // A group that is gone under a live claim is no error: its deletion
+            // removed its rows, and a late writer must not bring one back.
             if tx.int("SELECT count(*) FROM groups WHERE id = ?1", vals![group_id])? == 0 {
                 return Ok(());
             }
@@ -914,20 +1113,16 @@ impl Store {
                 )?
                 .map(|r| r.int(0))
                 .transpose()?;
-            if let Some(f) = stored.filter(|f| *f > claim.fence) {
-                return lost(format!(
+            lost(match stored {
+                Some(f) if f > claim.fence => format!(
                     "policy state not written: a newer claim (fence {f}) wrote it, ours is {}",
                     claim.fence
-                ));
-            }
-            tx.execute(
-                "INSERT INTO policy_state (group_id, az, state, holder, fence, updated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT (group_id, az) DO UPDATE SET state = excluded.state,
-                   holder = excluded.holder, fence = excluded.fence, updated_at = excluded.updated_at",
-                vals![group_id, az, json, &claim.holder, claim.fence, now],
-            )?;
-            Ok(())
+                ),
+                _ => format!(
+                    "policy state not written: the claim's fence is no longer {}",
+                    claim.fence
+                ),
+            })
         })
     }
 
@@ -960,7 +1155,7 @@ impl Store {
             "SE group",
             "INSERT INTO se_groups (id, name, group_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
             &spec.name,
-            vals![id, &spec.name, &spec.autoscale_group_id, json, now_ms()],
+            vals![id, &spec.name, &spec.autoscale_group_id, json, self.now()],
         )
     }
     pub fn update_se_group(&self, id: &str, spec: &SeGroupSpec) -> Result<()> {
@@ -985,7 +1180,7 @@ impl Store {
             "vserver",
             "INSERT INTO vservers (id, name, se_group_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
             &spec.name,
-            vals![id, &spec.name, &spec.se_group_id, json, now_ms()],
+            vals![id, &spec.name, &spec.se_group_id, json, self.now()],
         )
     }
     pub fn update_vserver(&self, id: &str, spec: &VserverSpec) -> Result<()> {
@@ -1023,8 +1218,9 @@ impl Store {
     /// Records the span; nothing for a vserver that is gone (deleted since the
     /// caller looked), so that no row outlives it. With `claim` (the daemon's
     /// claim on the group), refused with [`StoreError::LeaseLost`] unless it is
-    /// the current, unexpired claim: a daemon that lost the group does not size
-    /// its vservers. The check and the write are one transaction.
+    /// the current, unexpired claim (by the database's clock): a daemon that
+    /// lost the group does not size its vservers. The fence is in the write's
+    /// own statement.
     pub fn set_vserver_span(
         &self,
         vserver_id: &str,
@@ -1032,28 +1228,42 @@ impl Store {
         span: u32,
         claim: Option<&Lease>,
     ) -> Result<()> {
-        let now = now_ms();
         self.tx(|tx| {
-            if let Some(claim) = claim {
-                match lease_row(tx, &claim.group_id)? {
-                    Some((h, f, exp)) if h == claim.holder && f == claim.fence && exp > now => {}
-                    _ => {
+            let (key, holder, fence) = match claim {
+                Some(c) => (
+                    Some(c.group_id.as_str()),
+                    Some(c.holder.as_str()),
+                    Some(c.fence),
+                ),
+                None => (None, None, None),
+            };
+            let written = tx.execute(
+                &format!(
+                    "INSERT INTO vserver_spans (vserver_id, az, span)
+                     SELECT ?1, ?2, CAST(?3 AS BIGINT)
+                     WHERE EXISTS (SELECT 1 FROM vservers WHERE id = ?1)
+                       AND (CAST(?4 AS TEXT) IS NULL OR EXISTS (
+                         SELECT 1 FROM leases WHERE group_id = ?4 AND holder = ?5
+                           AND fence = CAST(?6 AS BIGINT) AND expires_ms > {NOW_MS}))
+                     ON CONFLICT (vserver_id, az) DO UPDATE SET span = excluded.span"
+                ),
+                vals![vserver_id, az, i64::from(span), key, holder, fence],
+            )?;
+            if written == 0 {
+                if let Some(claim) = claim {
+                    let vserver_there =
+                        tx.one("SELECT 1 FROM vservers WHERE id = ?1", vals![vserver_id])?;
+                    if vserver_there.is_some() {
                         return Err(StoreError::LeaseLost {
                             group: claim.group_id.clone(),
                             detail: format!(
                                 "span not written: the claim (fence {}) is no longer this daemon's",
                                 claim.fence
                             ),
-                        })
+                        });
                     }
                 }
             }
-            tx.execute(
-                "INSERT INTO vserver_spans (vserver_id, az, span)
-                 SELECT ?1, ?2, ?3 WHERE EXISTS (SELECT 1 FROM vservers WHERE id = ?1)
-                 ON CONFLICT (vserver_id, az) DO UPDATE SET span = excluded.span",
-                vals![vserver_id, az, i64::from(span)],
-            )?;
             Ok(())
         })
     }
@@ -1099,7 +1309,7 @@ impl Store {
                     n.state.as_str(),
                     n.registered,
                     n.handle.to_string(),
-                    now_ms(),
+                    self.now(),
                     &n.private_ip,
                     &n.public_ip
                 ],
@@ -1176,6 +1386,11 @@ impl Store {
 
     // --- events -----------------------------------------------------------------
 
+    /// Records an event of the group. The same event again (same AZ, kind and
+    /// reason as the group's latest) raises that row's `count` and `last_ms`
+    /// instead of adding a row; then the group's events past the retention
+    /// ([`EventRetention`]: by age of their last occurrence, then by count,
+    /// oldest first) are deleted.
     pub fn record_event(
         &self,
         group_id: &str,
@@ -1183,19 +1398,49 @@ impl Store {
         kind: &str,
         reason: &str,
     ) -> Result<()> {
+        let now = self.now();
+        let keep = self.event_retention();
         self.with(|c| {
+            let latest = c.one(
+                "SELECT id, az, kind, reason FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1",
+                vals![group_id],
+            )?;
+            let repeat = match latest {
+                Some(r) if r.opt_text(1)?.as_deref() == az && r.text(2)? == kind && r.text(3)? == reason => {
+                    Some(r.int(0)?)
+                }
+                _ => None,
+            };
+            match repeat {
+                Some(id) => c.execute(
+                    "UPDATE events SET count = count + 1, last_ms = ?2 WHERE id = ?1",
+                    vals![id, now],
+                )?,
+                None => c.execute(
+                    "INSERT INTO events (time_ms, last_ms, count, group_id, az, kind, reason)
+                     VALUES (?1, ?1, 1, ?2, ?3, ?4, ?5)",
+                    vals![now, group_id, az, kind, reason],
+                )?,
+            };
+            let oldest_kept = now.saturating_sub(keep.max_age.as_millis() as i64);
             c.execute(
-                "INSERT INTO events (time_ms, group_id, az, kind, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
-                vals![now_ms(), group_id, az, kind, reason],
-            )
-        })?;
-        Ok(())
+                "DELETE FROM events WHERE group_id = ?1 AND last_ms < ?2",
+                vals![group_id, oldest_kept],
+            )?;
+            c.execute(
+                "DELETE FROM events WHERE group_id = ?1 AND id <= (
+                   SELECT id FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1 OFFSET ?2)",
+                vals![group_id, keep.max_per_group as i64],
+            )?;
+            Ok(())
+        })
     }
     /// The most recent `limit` events of the group, oldest first.
     pub fn events_of_group(&self, group_id: &str, limit: usize) -> Result<Vec<Event>> {
         let rows = self.with(|c| {
             c.query(
-                "SELECT time_ms, group_id, az, kind, reason FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT ?2",
+                "SELECT time_ms, group_id, az, kind, reason, count, last_ms FROM events
+                 WHERE group_id = ?1 ORDER BY id DESC LIMIT ?2",
                 vals![group_id, limit as i64],
             )
         })?;
@@ -1208,6 +1453,8 @@ impl Store {
                     az: r.opt_text(2)?,
                     kind: r.text(3)?,
                     reason: r.text(4)?,
+                    count: r.int(5)?.max(1) as u64,
+                    last_ms: r.int(6)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -1216,6 +1463,9 @@ impl Store {
     }
 
     // --- leases -----------------------------------------------------------------
+    //
+    // Every lease time is the database's clock (`NOW_MS` in the statement), never
+    // the caller's: hosts whose clocks disagree still agree on who holds a lease.
 
     /// Takes the group's lease for `ttl` if it is free, expired, or already ours.
     /// A new holder gets a higher fencing token than every holder before it.
@@ -1223,8 +1473,12 @@ impl Store {
     /// other across holders: an apply never acts together with a daemon's
     /// workflow in one of the group's AZs, while workflows in two AZs may.
     pub fn acquire_lease(&self, group_id: &str, holder: &str, ttl: Duration) -> Result<Lease> {
-        let now = now_ms();
-        let expires = now + ttl.as_millis() as i64;
+        let ttl_ms = ttl.as_millis() as i64;
+        let held = |holder: String, expires_in_ms: i64| StoreError::LeaseHeld {
+            group: group_id.into(),
+            holder,
+            expires_in_ms,
+        };
         self.tx(|tx| {
             // A daemon's claim on a group that is gone (destroyed between the
             // daemon listing the groups and claiming one) must not leave a row.
@@ -1233,41 +1487,48 @@ impl Store {
                     return Err(StoreError::GroupGone(claimed.to_string()));
                 }
             }
-            if let Some((h, exp)) = conflicting_lease(tx, group_id, holder, now)? {
-                return Err(StoreError::LeaseHeld { group: group_id.into(), holder: h, expires_in_ms: exp - now });
+            if let Some((h, left)) = conflicting_lease(tx, group_id, holder)? {
+                return Err(held(h, left));
             }
-            let fence = match lease_row(tx, group_id)? {
-                Some((h, fence, _)) if h == holder => fence,
-                Some((h, _, exp)) if exp > now => {
-                    return Err(StoreError::LeaseHeld { group: group_id.into(), holder: h, expires_in_ms: exp - now })
-                }
-                Some((_, fence, _)) => fence + 1,
-                None => 1,
-            };
-            tx.execute(
-                "INSERT INTO leases (group_id, holder, fence, expires_ms) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder, fence = excluded.fence, expires_ms = excluded.expires_ms",
-                vals![group_id, holder, fence, expires],
+            // Taken in the statement itself, where the row is free, expired by
+            // the database's clock, or already this holder's.
+            let won = tx.one(
+                &format!(
+                    "INSERT INTO leases (group_id, holder, fence, expires_ms) VALUES (?1, ?2, 1, {NOW_MS} + ?3)
+                     ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder,
+                       fence = CASE WHEN leases.holder = excluded.holder THEN leases.fence ELSE leases.fence + 1 END,
+                       expires_ms = excluded.expires_ms
+                     WHERE leases.holder = excluded.holder OR leases.expires_ms <= {NOW_MS}
+                     RETURNING fence, expires_ms"
+                ),
+                vals![group_id, holder, ttl_ms],
             )?;
-            Ok(Lease { group_id: group_id.into(), holder: holder.into(), fence, expires_ms: expires })
+            match won {
+                Some(r) => Ok(Lease {
+                    group_id: group_id.into(),
+                    holder: holder.into(),
+                    fence: r.int(0)?,
+                    expires_ms: r.int(1)?,
+                }),
+                None => {
+                    let (h, left) = live_lease(tx, group_id)?.unwrap_or_default();
+                    Err(held(h, left))
+                }
+            }
         })
     }
 
     /// Who holds the lease `key` now (unexpired), if anyone. A read: the
     /// daemon's probe of whether an apply works on a group writes nothing.
     pub fn lease_holder(&self, key: &str) -> Result<Option<String>> {
-        let now = now_ms();
-        Ok(self
-            .with(|c| lease_row(c, key))?
-            .filter(|(_, _, exp)| *exp > now)
-            .map(|(h, _, _)| h))
+        Ok(self.with(|c| live_lease(c, key))?.map(|(h, _)| h))
     }
 
     /// Gives up whatever lease `holder` has on `key`, without knowing its fence;
     /// unlike acquiring it to learn the fence, this never creates a row (a group
     /// that is gone keeps no lease).
     pub fn release_lease_of(&self, key: &str, holder: &str) -> Result<()> {
-        self.tx(|c| {
+        self.with_leases(|c| {
             c.execute(
                 "UPDATE leases SET expires_ms = 0 WHERE group_id = ?1 AND holder = ?2",
                 vals![key, holder],
@@ -1278,7 +1539,7 @@ impl Store {
 
     /// Gives the lease up at once (only if still ours).
     pub fn release_lease(&self, lease: &Lease) -> Result<()> {
-        self.tx(|c| {
+        self.with_leases(|c| {
             c.execute(
                 "UPDATE leases SET expires_ms = 0 WHERE group_id = ?1 AND holder = ?2 AND fence = ?3",
                 vals![&lease.group_id, &lease.holder, lease.fence],
@@ -1287,36 +1548,57 @@ impl Store {
         Ok(())
     }
 
-    /// Extends a lease that is still ours (same holder and fence) to `ttl` from
-    /// now; [`StoreError::LeaseLost`] when another holder took it over (or it
-    /// was released). A lease that expired but that nobody took is still ours.
+    /// Extends a lease that is still ours (same holder and fence, unexpired) to
+    /// `ttl` from now; [`StoreError::LeaseLost`] when another holder took it
+    /// over, it was released, or it expired (then another holder may have taken
+    /// a lease that excludes it: the work it covered must stop). One statement,
+    /// on the connections kept for leases.
     pub fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
-        let expires = now_ms() + ttl.as_millis() as i64;
-        let n = self.tx(|c| {
-            c.execute(
-                "UPDATE leases SET expires_ms = ?4 WHERE group_id = ?1 AND holder = ?2 AND fence = ?3 AND expires_ms > 0",
-                vals![&lease.group_id, &lease.holder, lease.fence, expires],
+        let renewed = self.with_leases(|c| {
+            c.one(
+                &format!(
+                    "UPDATE leases SET expires_ms = {NOW_MS} + ?4
+                     WHERE group_id = ?1 AND holder = ?2 AND fence = ?3 AND expires_ms > {NOW_MS}
+                     RETURNING expires_ms"
+                ),
+                vals![
+                    &lease.group_id,
+                    &lease.holder,
+                    lease.fence,
+                    ttl.as_millis() as i64
+                ],
             )
         })?;
-        if n == 0 {
-            return Err(StoreError::LeaseLost {
+        match renewed {
+            Some(r) => Ok(Lease {
+                expires_ms: r.int(0)?,
+                ..lease.clone()
+            }),
+            None => Err(StoreError::LeaseLost {
                 group: lease.group_id.clone(),
                 detail: format!(
-                    "{} no longer holds it (fence {})",
+                    "{} no longer holds it (fence {}), or it expired",
                     lease.holder, lease.fence
                 ),
-            });
+            }),
         }
-        Ok(Lease {
-            expires_ms: expires,
-            ..lease.clone()
-        })
     }
 
-    /// The fence check before a side effect: Ok only while `lease` is the
-    /// group's current, unexpired lease.
+    /// Whether `lease` is the key's current, unexpired lease (by the database's
+    /// clock). A read, for a holder that wants to know before a step; a write
+    /// under a lease is fenced in its own statement instead.
     pub fn check_lease(&self, lease: &Lease) -> Result<()> {
-        let cur = self.with(|c| lease_row(c, &lease.group_id))?;
+        let cur = self.with_leases(|c| {
+            c.one(
+                &format!(
+                    "SELECT holder, fence, CASE WHEN expires_ms > {NOW_MS} THEN 1 ELSE 0 END
+                     FROM leases WHERE group_id = ?1"
+                ),
+                vals![&lease.group_id],
+            )?
+            .map(|r| Ok((r.text(0)?, r.int(1)?, r.int(2)? != 0)))
+            .transpose()
+        })?;
         let lost = |detail: String| {
             Err(StoreError::LeaseLost {
                 group: lease.group_id.clone(),
@@ -1329,7 +1611,7 @@ impl Store {
                 "{h} holds it now (fence {f}, ours was {})",
                 lease.fence
             )),
-            Some((_, _, exp)) if exp <= now_ms() => lost("it expired".into()),
+            Some((_, _, false)) => lost("it expired".into()),
             Some(_) => Ok(()),
         }
     }
@@ -1392,33 +1674,36 @@ impl Store {
     }
 }
 
-/// The lease row of `key`: holder, fence, expiry.
-fn lease_row(c: &mut dyn Db, key: &str) -> Result<Option<(String, i64, i64)>> {
+/// The holder of `key` and how long its lease has left (database clock), if
+/// it is unexpired.
+fn live_lease(c: &mut dyn Db, key: &str) -> Result<Option<(String, i64)>> {
     c.one(
-        "SELECT holder, fence, expires_ms FROM leases WHERE group_id = ?1",
+        &format!(
+            "SELECT holder, expires_ms - {NOW_MS} FROM leases
+             WHERE group_id = ?1 AND expires_ms > {NOW_MS}"
+        ),
         vals![key],
     )?
-    .map(|r| Ok((r.text(0)?, r.int(1)?, r.int(2)?)))
+    .map(|r| Ok((r.text(0)?, r.int(1)?)))
     .transpose()
 }
 
 /// A live lease of another holder that `key` may not be taken alongside: for an
 /// AZ lease, its group's own lease; for a group's lease, any of its AZ leases.
-fn conflicting_lease(
-    c: &mut dyn Db,
-    key: &str,
-    holder: &str,
-    now: i64,
-) -> Result<Option<(String, i64)>> {
+/// Its holder and how long it has left.
+fn conflicting_lease(c: &mut dyn Db, key: &str, holder: &str) -> Result<Option<(String, i64)>> {
+    let live = format!("holder != ?2 AND expires_ms > {NOW_MS}");
     let rows = if let Some(group) = group_of_az_lease(key) {
         c.query(
-            "SELECT holder, expires_ms FROM leases WHERE group_id = ?1 AND holder != ?2 AND expires_ms > ?3",
-            vals![group, holder, now],
+            &format!(
+                "SELECT holder, expires_ms - {NOW_MS} FROM leases WHERE group_id = ?1 AND {live}"
+            ),
+            vals![group, holder],
         )?
     } else if is_group_lease(key) {
         c.query(
-            "SELECT holder, expires_ms FROM leases WHERE group_id LIKE ?1 AND holder != ?2 AND expires_ms > ?3",
-            vals![az_lease_key(key, "%"), holder, now],
+            &format!("SELECT holder, expires_ms - {NOW_MS} FROM leases WHERE group_id LIKE ?1 AND {live}"),
+            vals![az_lease_key(key, "%"), holder],
         )?
     } else {
         return Ok(None);
@@ -1426,6 +1711,20 @@ fn conflicting_lease(
     rows.first()
         .map(|r| Ok((r.text(0)?, r.int(1)?)))
         .transpose()
+}
+
+/// Runs a blocking store call where it does not hold up the async tasks of
+/// the runtime it is called from: on a multi-threaded Tokio runtime, the
+/// worker thread hands its tasks to another first (`block_in_place`).
+/// Elsewhere (no runtime, a current-thread runtime, which cannot do that) it
+/// runs as it is.
+fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 fn table_of(kind: &str) -> &'static str {

@@ -14,12 +14,19 @@ pub const WORKFLOW_LEASE_TTL: Duration = Duration::from_secs(10);
 
 /// A lease kept alive by a background task (renewed every third of its TTL) while
 /// the work it covers runs. A renewal that finds the lease taken over marks it
-/// lost; [`KeptLease::check`], called before every side effect, then stops the
-/// work. Dropping it stops the renewals (the lease then expires on its own).
+/// lost; so does a TTL without a successful renewal (the store unreachable or
+/// stalled: the lease may have expired, and another holder may have it). Then
+/// [`KeptLease::check`], called before every side effect, stops the work, at
+/// once and without asking the store. Dropping it stops the renewals (the lease
+/// then expires on its own).
 pub struct KeptLease {
     lease: Lease,
     store: Arc<Store>,
     lost: Arc<AtomicBool>,
+    /// Until when the lease is surely ours: the TTL from the moment the last
+    /// successful renewal (or the acquisition) was sent, by this host's
+    /// monotonic clock; the database set its expiry later than that.
+    sure_until: Arc<std::sync::Mutex<Instant>>,
     renewer: tokio::task::JoinHandle<()>,
     /// This process's turn on the group (see `Engine::group_locks`), released
     /// with the lease.
@@ -28,25 +35,55 @@ pub struct KeptLease {
 
 impl KeptLease {
     /// Starts renewing `lease` (just acquired with `ttl`) every `ttl / 3`.
+    /// Starts renewing `lease` (just acquired with `ttl`) every `ttl / 3`. The
+    /// lease counts as sure for `ttl` from now, less the time since it was
+    /// acquired is unknown here: callers keep it at once.
     pub fn keep(store: Arc<Store>, lease: Lease, ttl: Duration) -> KeptLease {
         let lost = Arc::new(AtomicBool::new(false));
+        let sure_until = Arc::new(std::sync::Mutex::new(Instant::now() + ttl));
         let renewer = {
-            let (store, lease, lost) = (store.clone(), lease.clone(), lost.clone());
+            let (store, lease, lost, sure) = (
+                store.clone(),
+                lease.clone(),
+                lost.clone(),
+                sure_until.clone(),
+            );
             tokio::spawn(async move {
                 let every = (ttl / 3).max(Duration::from_millis(100));
                 loop {
                     tokio::time::sleep(every).await;
-                    match store.renew_lease(&lease, ttl) {
-                        Ok(_) => {}
-                        Err(e @ StoreError::LeaseLost { .. }) => {
+                    let sent = Instant::now();
+                    let (store2, lease2) = (store.clone(), lease.clone());
+                    // On a thread of its own: a stalled store holds up this
+                    // renewal only, and the TTL below still runs out.
+                    // [`KeptLease::check`] sees the TTL run out meanwhile (every
+                    // store call has a deadline, so this one ends too).
+                    let outcome =
+                        tokio::task::spawn_blocking(move || store2.renew_lease(&lease2, ttl))
+                            .await
+                            .ok();
+                    match outcome {
+                        Some(Ok(_)) => {
+                            *sure.lock().unwrap_or_else(|e| e.into_inner()) = sent + ttl;
+                        }
+                        Some(Err(e @ StoreError::LeaseLost { .. })) => {
                             tracing::warn!(group = %lease.group_id, error = %e, "lease lost; the work it covers stops before its next step");
                             lost.store(true, Ordering::SeqCst);
                             return;
                         }
-                        // A busy store: try again at the next period (the check
-                        // before each step sees an expiry).
-                        Err(e) => {
-                            tracing::warn!(group = %lease.group_id, error = %e, "could not renew the lease")
+                        // A busy or unreachable store: try again at the next
+                        // period, while the lease is still surely ours.
+                        other => {
+                            let why = match other {
+                                Some(Err(e)) => e.to_string(),
+                                _ => "the renewal panicked".to_string(),
+                            };
+                            if Instant::now() >= *sure.lock().unwrap_or_else(|e| e.into_inner()) {
+                                tracing::warn!(group = %lease.group_id, error = %why, "the lease could not be renewed within its TTL; the work it covers stops before its next step");
+                                lost.store(true, Ordering::SeqCst);
+                                return;
+                            }
+                            tracing::warn!(group = %lease.group_id, error = %why, "could not renew the lease; retrying")
                         }
                     }
                 }
@@ -56,9 +93,17 @@ impl KeptLease {
             lease,
             store,
             lost,
+            sure_until,
             renewer,
             _turn: None,
         }
+    }
+
+    /// Whether the lease was lost, or its TTL ran out without a renewal
+    /// (asks nothing of the store).
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+            || Instant::now() >= *self.sure_until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn lease(&self) -> &Lease {
@@ -71,7 +116,14 @@ impl KeptLease {
         if self.lost.load(Ordering::SeqCst) {
             return Err(StoreError::LeaseLost {
                 group: self.lease.group_id.clone(),
-                detail: "a renewal found it taken over".into(),
+                detail: "a renewal found it taken over, or none succeeded within its TTL".into(),
+            });
+        }
+        if self.is_lost() {
+            return Err(StoreError::LeaseLost {
+                group: self.lease.group_id.clone(),
+                detail: "no renewal succeeded within its TTL (the store is unreachable or stalled)"
+                    .into(),
             });
         }
         self.store.check_lease(&self.lease)
