@@ -122,6 +122,39 @@ pub struct VserverSpec {
     pub services: Vec<ServiceSpec>,
     /// `None` when the configuration has no `slow_start` block.
     pub slow_start: Option<SlowStartSpec>,
+    /// At most this many connections (UDP: flows) at once on each node; 0 (a
+    /// row stored before the attribute): the node's default.
+    #[serde(default)]
+    pub max_connections: i64,
+    /// UDP: the health check's request datagram in hex; empty: the passive check.
+    #[serde(default)]
+    pub udp_health_request: String,
+}
+
+/// The default of a vserver's `max_connections`, as the node applies it.
+pub const DEFAULT_MAX_CONNECTIONS: i64 = 10_000;
+
+/// `udp_health_request`'s bytes: hex digits in pairs (spaces allowed between
+/// them); an error says what is wrong.
+pub fn udp_health_request_bytes(hex: &str) -> Result<Vec<u8>, String> {
+    let digits: Vec<u8> = hex.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    if digits.len() % 2 != 0 {
+        return Err("must be pairs of hex digits (an odd number was given)".into());
+    }
+    digits
+        .chunks(2)
+        .map(|p| {
+            std::str::from_utf8(p)
+                .ok()
+                .and_then(|p| u8::from_str_radix(p, 16).ok())
+                .ok_or_else(|| {
+                    format!(
+                        "{:?} is not a pair of hex digits",
+                        String::from_utf8_lossy(p)
+                    )
+                })
+        })
+        .collect()
 }
 
 /// One step of the path to the attribute a finding is about.

@@ -10,7 +10,28 @@ use lbscale_proto::{
 };
 use tonic::{Request, Response, Status};
 
+use crate::bounds::{accept, Backoff};
 use crate::node::Node;
+
+/// The management API's connections. An accept error (no descriptor left)
+/// is logged and waited out: the API never stops listening, where tonic's own
+/// listener ends the server on it.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut backoff = Backoff::default();
+        loop {
+            let (s, _) = accept(&listener, &mut backoff, "api").await;
+            let _ = s.set_nodelay(true);
+            if tx.send(Ok(s)).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
 
 pub struct Api {
     pub node: Arc<Node>,

@@ -11,7 +11,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
 
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::{TcpSocket, TcpStream, UdpSocket};
 
 /// Opens connections from one source address (the node's).
 #[derive(Clone, Copy, Debug, Default)]
@@ -63,6 +63,20 @@ impl Dialer {
         }
         sock.bind(SocketAddr::new(src, 0))?;
         sock.connect(target).await
+    }
+
+    /// A UDP socket from the node's address (the kernel's choice for another
+    /// address family) connected to `target`: it receives only `target`'s
+    /// datagrams, and an ICMP port unreachable shows as `ConnectionRefused`.
+    pub async fn udp_socket(&self, target: SocketAddr) -> io::Result<UdpSocket> {
+        let src = match self.source {
+            Some(ip) if ip.is_ipv4() == target.is_ipv4() => ip,
+            _ if target.is_ipv4() => IpAddr::from([0, 0, 0, 0]),
+            _ => IpAddr::from([0u16; 8]),
+        };
+        let s = UdpSocket::bind((src, 0)).await?;
+        s.connect(target).await?;
+        Ok(s)
     }
 
     /// Connects to `host:port` (an IP address or a name) from the node's address.

@@ -367,6 +367,34 @@ async fn serve_tcp_conn(mut s: tokio::net::TcpStream, zones: Shared) {
     }
 }
 
+/// DNS over TCP: connections served at once; one more is closed at once
+/// (clients fall back to UDP or retry), so that idle or slow connections cannot
+/// take every descriptor.
+pub const MAX_TCP_CONNECTIONS: usize = 256;
+
+/// Accepts DNS-over-TCP connections, at most `max` at once; accept errors are
+/// waited out.
+async fn accept_tcp(tcp: TcpListener, zones: Shared, max: usize) {
+    let slots = crate::bounds::Budget::new(max);
+    let mut backoff = crate::bounds::Backoff::default();
+    let mut refused = 0u64;
+    loop {
+        let (s, peer) = crate::bounds::accept(&tcp, &mut backoff, "dns-tcp").await;
+        let Some(slot) = slots.take(1) else {
+            refused += 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(%peer, max, refused, "DNS-over-TCP connection cap reached: closing new connections");
+            }
+            continue;
+        };
+        let z = zones.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            serve_tcp_conn(s, z).await
+        });
+    }
+}
+
 pub async fn run(listen: SocketAddr, config: PathBuf, status: PathBuf) -> anyhow::Result<()> {
     let udp = Arc::new(
         UdpSocket::bind(listen)
@@ -381,20 +409,7 @@ pub async fn run(listen: SocketAddr, config: PathBuf, status: PathBuf) -> anyhow
     for _ in 0..2 {
         tokio::spawn(serve_udp(udp.clone(), zones.clone()));
     }
-    let z = zones.clone();
-    tokio::spawn(async move {
-        loop {
-            match tcp.accept().await {
-                Ok((s, _)) => {
-                    tokio::spawn(serve_tcp_conn(s, z.clone()));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    });
+    tokio::spawn(accept_tcp(tcp, zones.clone(), MAX_TCP_CONNECTIONS));
     watch::run(config, status, move |cfg: DnsConfig| {
         let z = Zones::from_config(&cfg);
         for zone in &z.0 {

@@ -171,7 +171,35 @@ fn strip_hop(h: &mut HeaderMap) {
 enum SendErr {
     /// Could not connect: the request is handed back for another service.
     Connect(Box<Request<UpBody>>),
+    /// No response headers within the response-header timeout.
+    Timeout,
     Other,
+}
+
+/// Sends `req` on `s` and waits for the response's headers, at most the
+/// vserver's response-header timeout. `Err(Some(req))`: the connection went
+/// away before sending (try another).
+async fn exchange(
+    rt: &ServiceRt,
+    vs: &Vserver,
+    s: &mut Conn,
+    req: Request<UpBody>,
+) -> Result<Response<Incoming>, Result<Request<UpBody>, SendErr>> {
+    let timeout = vs.limits.response_header_timeout;
+    match tokio::time::timeout(timeout, s.try_send_request(req)).await {
+        Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(mut e)) => match e.take_message() {
+            Some(r) => Err(Ok(r)),
+            None => {
+                tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
+                Err(Err(SendErr::Other))
+            }
+        },
+        Err(_) => {
+            tracing::warn!(service = %rt.name, timeout_ms = timeout.as_millis() as u64, "no response headers in time");
+            Err(Err(SendErr::Timeout))
+        }
+    }
 }
 
 async fn send(
@@ -186,18 +214,16 @@ async fn send(
                 _ => continue,
             }
         }
-        match s.try_send_request(req).await {
+        match exchange(rt, vs, &mut s, req).await {
             Ok(resp) => return Ok((resp, s)),
-            Err(mut e) => match e.take_message() {
-                Some(r) => req = r, // connection went away before sending: next one
-                None => {
-                    tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
-                    return Err(SendErr::Other);
-                }
-            },
+            Err(Ok(r)) => req = r, // connection went away before sending: next one
+            Err(Err(e)) => return Err(e),
         }
     }
-    let stream = match rt.connect(&vs.dialer).await {
+    let stream = match rt
+        .connect_within(&vs.dialer, vs.limits.connect_timeout)
+        .await
+    {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(service = %rt.name, error = %e, "upstream connect failed");
@@ -215,12 +241,10 @@ async fn send(
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    match s.try_send_request(req).await {
+    match exchange(rt, vs, &mut s, req).await {
         Ok(resp) => Ok((resp, s)),
-        Err(e) => {
-            tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
-            Err(SendErr::Other)
-        }
+        Err(Ok(_)) => Err(SendErr::Other),
+        Err(Err(e)) => Err(e),
     }
 }
 
@@ -241,8 +265,28 @@ fn cookie_service(st: &VsState, req: &Request<Incoming>) -> Option<usize> {
     }
 }
 
+/// Names the client in `X-Forwarded-For`: appended to the list the client
+/// sent (its fields joined into one, as proxies do), else the only entry.
+#[inline]
+fn forwarded_for(h: &mut HeaderMap, client: HeaderValue) {
+    let mut prior = h.get_all(&X_FORWARDED_FOR).iter();
+    let Some(first) = prior.next() else {
+        h.insert(X_FORWARDED_FOR.clone(), client);
+        return;
+    };
+    let mut list = first.as_bytes().to_vec();
+    for more in prior {
+        list.extend_from_slice(b", ");
+        list.extend_from_slice(more.as_bytes());
+    }
+    list.extend_from_slice(b", ");
+    list.extend_from_slice(client.as_bytes());
+    let v = HeaderValue::from_bytes(&list).unwrap_or(client);
+    h.insert(X_FORWARDED_FOR.clone(), v);
+}
+
 /// The client's request as it goes to a service: hop-by-hop headers removed,
-/// `X-Forwarded-For` naming the client, origin form, HTTP/1.1. Returns it with
+/// `X-Forwarded-For` ending with the client, origin form, HTTP/1.1. Returns it with
 /// its size (head estimate and announced body), which the node's throughput
 /// counts for the head now (the body as it passes).
 fn upstream_request(
@@ -261,7 +305,7 @@ fn upstream_request(
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
     strip_hop(&mut parts.headers);
-    parts.headers.append(X_FORWARDED_FOR.clone(), xff);
+    forwarded_for(&mut parts.headers, xff);
     if parts.uri.authority().is_some() {
         if let Some(pq) = parts.uri.path_and_query() {
             if let Ok(u) = pq.as_str().parse() {
@@ -357,6 +401,10 @@ async fn proxy(
                 rt.active.fetch_sub(1, Ordering::Relaxed);
                 return simple(&vs, StatusCode::BAD_GATEWAY, "bad gateway\n");
             }
+            Err(SendErr::Timeout) => {
+                rt.active.fetch_sub(1, Ordering::Relaxed);
+                return simple(&vs, StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
+            }
         }
     }
 }
@@ -396,7 +444,9 @@ pub async fn serve_conn(stream: TcpStream, client: IpAddr, vs: Arc<Vserver>) {
     b.timer(TokioTimer::new())
         .writev(false)
         .keep_alive(true)
-        .header_read_timeout(Duration::from_secs(30));
+        .header_read_timeout(Duration::from_secs(30))
+        // A longer head is answered 431 (Request Header Fields Too Large).
+        .max_buf_size(vs.limits.max_request_header_bytes);
     let conn = b.serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     tokio::select! {

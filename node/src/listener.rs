@@ -5,30 +5,64 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::bounds::Backoff;
 use crate::model::{Kind, Vserver};
 use crate::persist::Persistence;
 use crate::proxy_protocol::{proxy_header, read_proxy_header};
 use crate::scaleout::{Peer, Route, PEER_CONNECT_TIMEOUT};
 
-/// Accepts the vserver's connections until it closes.
+/// Descriptors a connection holds: the client's and one towards a service
+/// (or a secondary).
+const CONNECTION_FDS: usize = 2;
+
+/// Accepts the vserver's connections until it closes. A connection past the
+/// vserver's limit or the node's descriptors is closed at once; an accept
+/// error is waited out.
 pub async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {
+    let mut backoff = Backoff::default();
+    let mut refused = Refusals::default();
+    let name = vs.state().name.clone();
     loop {
-        tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = vs.closing.cancelled() => break,
-            r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    tokio::spawn(accept(stream, peer, vs.clone()));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+            r = crate::bounds::accept(&listener, &mut backoff, &name) => r,
+        };
+        match vs.admit(CONNECTION_FDS) {
+            Some(admission) => {
+                let vs = vs.clone();
+                tokio::spawn(async move {
+                    let _admission = admission;
+                    accept(stream, peer, vs).await
+                });
             }
+            None => refused.note(&vs),
+        }
+    }
+}
+
+/// Connections closed for lack of room, logged at most once a second.
+#[derive(Default)]
+struct Refusals {
+    count: u64,
+    logged: Option<Instant>,
+}
+
+impl Refusals {
+    fn note(&mut self, vs: &Vserver) {
+        self.count += 1;
+        if self
+            .logged
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            let (open, limit) = vs.connections();
+            tracing::warn!(vserver = %vs.state().name, open, limit, refused = self.count, "connection limit reached: closing new connections");
+            self.logged = Some(Instant::now());
+            self.count = 0;
         }
     }
 }

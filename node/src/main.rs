@@ -2,6 +2,7 @@
 //! cloud's DNS and L4 (nlb) traffic distributors.
 
 mod api;
+mod bounds;
 mod clock;
 mod dial;
 mod dns;
@@ -56,15 +57,27 @@ node options (serve, standalone):
                            without use (default 120000)
   --custom-load-file PATH  JSON object of CUSTOMLOAD values, {\"vserver/service\": load} or
                            {\"service\": load}; polled every 200 ms
+  --connect-timeout-ms N   connecting to a service may take N ms (default 5000)
+  --response-header-timeout-ms N  a service's response headers must come within N ms
+                           of the request (HTTP; default 60000; 504 after)
+  --max-request-header-bytes N  a request's line and headers may take N bytes
+                           (HTTP; default 32768, at least 8192; 431 past it)
+
+The node raises its soft open-files limit to the hard one, keeps an eighth of
+it (at least 128) for its API and checks, and admits connections and UDP flows
+only within the rest.
 ";
 
-const NODE_OPTS: [&str; 6] = [
+const NODE_OPTS: [&str; 9] = [
     "service-drain-timeout-ms",
     "persistence-timeout-ms",
     "health-interval-ms",
     "health-fall",
     "health-rise",
     "custom-load-file",
+    "connect-timeout-ms",
+    "response-header-timeout-ms",
+    "max-request-header-bytes",
 ];
 
 fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
@@ -96,6 +109,27 @@ fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
     }
     if let Some(k) = num("health-rise")? {
         o.health.rise = (k as u32).max(1);
+    }
+    let positive_ms = |k: &str| -> anyhow::Result<Option<std::time::Duration>> {
+        match num(k)? {
+            Some(0) => bail!("--{k} must be 1 or more"),
+            v => Ok(v.map(std::time::Duration::from_millis)),
+        }
+    };
+    if let Some(d) = positive_ms("connect-timeout-ms")? {
+        o.limits.connect_timeout = d;
+    }
+    if let Some(d) = positive_ms("response-header-timeout-ms")? {
+        o.limits.response_header_timeout = d;
+    }
+    if let Some(n) = num("max-request-header-bytes")? {
+        if n < bounds::MIN_REQUEST_HEADER_BYTES as u64 {
+            bail!(
+                "--max-request-header-bytes must be {} or more",
+                bounds::MIN_REQUEST_HEADER_BYTES
+            );
+        }
+        o.limits.max_request_header_bytes = n as usize;
     }
     Ok(o)
 }
@@ -202,8 +236,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
-        .map_err(|e| anyhow!("api listener: {e}"))?;
+    let incoming = api::incoming(listener);
     let svc = lbscale_proto::node_api_server::NodeApiServer::with_interceptor(
         api::Api { node: node.clone() },
         api::interceptor(token),
@@ -214,6 +247,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     tokio::select! {
         r = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming) => {
             r.map_err(|e| anyhow!("api server: {e}"))?;
+            bail!("api server stopped");
         }
         _ = stop => {}
     }
@@ -294,6 +328,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
             slow_start: None,
             scaleout: None,
             ramp_peers: vec![],
+            ..Default::default()
         }],
     })
     .await
@@ -375,6 +410,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    bounds::raise_open_files_limit();
     let argv: Vec<String> = std::env::args().collect();
     let Some(cmd) = argv.get(1).map(|s| s.as_str()) else {
         eprint!("{USAGE}");

@@ -12,6 +12,7 @@ use std::time::Duration;
 use hyper::header::HeaderValue;
 use tokio_util::sync::CancellationToken;
 
+use crate::bounds::{admit, Admission, Budget, Limits, DEFAULT_MAX_CONNECTIONS};
 use crate::dial::Dialer;
 use crate::lb::{Balancer, Method};
 use crate::metrics::Traffic;
@@ -169,6 +170,9 @@ pub struct Common {
     pub node_hv: HeaderValue,
     pub traffic: Arc<Traffic>,
     pub dialer: Dialer,
+    pub limits: Limits,
+    /// The node's descriptors that connections and flows may use.
+    pub descriptors: Arc<Budget>,
 }
 
 /// One listening vserver. Its configuration snapshot is swapped in place.
@@ -189,6 +193,10 @@ pub struct Vserver {
     pub scaleout: Scaleout,
     /// SOURCEIP persistence: client IP → service (kept across configurations).
     pub sources: SourceTable,
+    pub limits: Limits,
+    /// This vserver's open connections (or UDP flows) against its limit.
+    connections: Arc<Budget>,
+    descriptors: Arc<Budget>,
 }
 
 impl Vserver {
@@ -209,7 +217,32 @@ impl Vserver {
             dialer: common.dialer,
             scaleout: Scaleout::new(persistence_timeout),
             sources: Table::new(persistence_timeout, MAX_ENTRIES),
+            limits: common.limits,
+            connections: Budget::new(DEFAULT_MAX_CONNECTIONS),
+            descriptors: common.descriptors.clone(),
         }
+    }
+
+    /// Sets the vserver's connection limit (0: the default).
+    pub fn set_max_connections(&self, n: u32) {
+        let n = if n == 0 {
+            DEFAULT_MAX_CONNECTIONS
+        } else {
+            n as usize
+        };
+        self.connections.set_limit(n);
+    }
+
+    /// Admits a new connection or UDP flow holding `fds` descriptors, when the
+    /// vserver's limit and the node's descriptors allow it.
+    #[inline]
+    pub fn admit(&self, fds: usize) -> Option<Admission> {
+        admit(&self.connections, &self.descriptors, fds)
+    }
+
+    /// Open connections or flows, and the limit.
+    pub fn connections(&self) -> (usize, usize) {
+        (self.connections.used(), self.connections.limit())
     }
 
     #[inline]

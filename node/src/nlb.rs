@@ -206,9 +206,11 @@ impl Drop for Listener {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 async fn accept_loop(l: TcpListener, targets: Arc<Targets>) {
+    let mut backoff = crate::bounds::Backoff::default();
     loop {
         match l.accept().await {
             Ok((client, peer)) => {
+                backoff.reset();
                 let t = targets.clone();
                 tokio::spawn(async move {
                     let order = t.order(peer);
@@ -233,10 +235,7 @@ async fn accept_loop(l: TcpListener, targets: Arc<Targets>) {
                     tracing::warn!("no target reachable; closing client connection");
                 });
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            Err(e) => tokio::time::sleep(backoff.failed("nlb", &e)).await,
         }
     }
 }

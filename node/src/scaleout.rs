@@ -69,6 +69,8 @@ use crate::persist::{Table, MAX_ENTRIES};
 /// Secondaries sit in the same AZ: a slow connect means a sick node, and the
 /// client is better served by the primary than kept waiting.
 pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long resolving a name may take when a configuration is applied.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long an unreachable secondary is skipped before the primary tries it again.
 pub const PEER_RETRY: Duration = Duration::from_secs(1);
 
@@ -88,6 +90,9 @@ pub struct Peer {
     leaving: std::sync::atomic::AtomicBool,
     /// Skipped until then after a failed connect.
     retry_at: Mutex<Option<Instant>>,
+    /// A named secondary's UDP address, resolved when a configuration is
+    /// applied ([`Scaleout::resolve_names`]).
+    resolved: Mutex<Option<SocketAddr>>,
 }
 
 impl Peer {
@@ -101,6 +106,7 @@ impl Peer {
             leave_gen: AtomicU64::new(0),
             leaving: std::sync::atomic::AtomicBool::new(false),
             retry_at: Mutex::new(None),
+            resolved: Mutex::new(None),
         }
     }
 
@@ -118,18 +124,21 @@ impl Peer {
             Some(Instant::now() + PEER_RETRY);
     }
 
-    /// The secondary's UDP address (see [`Peer::connect`]).
-    pub async fn resolve(&self) -> io::Result<SocketAddr> {
+    /// The secondary's address when it is configured as one (see
+    /// [`Peer::connect`]).
+    fn literal(&self) -> Option<SocketAddr> {
         if let Ok(a) = self.address.parse::<SocketAddr>() {
-            return Ok(a);
+            return Some(a);
         }
-        if let Ok(ip) = self.address.parse::<IpAddr>() {
-            return Ok(SocketAddr::new(ip, self.port));
-        }
-        tokio::net::lookup_host((self.address.as_str(), self.port))
-            .await?
-            .next()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+        let ip = self.address.parse::<IpAddr>().ok()?;
+        Some(SocketAddr::new(ip, self.port))
+    }
+
+    /// The secondary's UDP address: as configured, or its name as resolved
+    /// when the configuration was applied (never resolved on a receive path).
+    pub fn target(&self) -> Option<SocketAddr> {
+        self.literal()
+            .or_else(|| *self.resolved.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Counts one forwarded connection (or UDP flow) while the guard lives.
@@ -334,6 +343,40 @@ impl Scaleout {
             served: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
             affinity: Table::new(persistence_timeout, MAX_ENTRIES),
+        }
+    }
+
+    /// Resolves the listed secondaries given by name (UDP flows use the
+    /// result), each within [`RESOLVE_TIMEOUT`]; an unresolved one is served on
+    /// the primary.
+    pub async fn resolve_names(&self) {
+        let named: Vec<Arc<Peer>> = {
+            let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            inner
+                .listed
+                .iter()
+                .filter(|p| p.literal().is_none())
+                .cloned()
+                .collect()
+        };
+        for p in named {
+            let found = tokio::time::timeout(
+                RESOLVE_TIMEOUT,
+                tokio::net::lookup_host((p.address.as_str(), p.port)),
+            )
+            .await;
+            let a = match found {
+                Ok(Ok(mut a)) => a.next(),
+                Ok(Err(e)) => {
+                    tracing::warn!(secondary = %p.address, error = %e, "secondary's name does not resolve");
+                    None
+                }
+                Err(_) => {
+                    tracing::warn!(secondary = %p.address, "secondary's name did not resolve in time");
+                    None
+                }
+            };
+            *p.resolved.lock().unwrap_or_else(|e| e.into_inner()) = a;
         }
     }
 

@@ -54,6 +54,17 @@ fn ewma_update(cell: &AtomicU64, sample: f64) {
     cell.store(new.to_bits(), Ordering::Relaxed);
 }
 
+/// How a service's health is checked (see `health`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HealthCheck {
+    /// A TCP connect (TCP and HTTP vservers).
+    Tcp,
+    /// UDP, passive: what the node relays to the service must be answered.
+    UdpPassive,
+    /// UDP: this datagram, sent every interval, must be answered.
+    UdpRequest(Arc<[u8]>),
+}
+
 /// Runtime of one backend service: counters, health, idle upstream connections.
 /// Survives a reconfiguration that keeps the service's name, address and port.
 pub struct ServiceRt {
@@ -63,6 +74,17 @@ pub struct ServiceRt {
     pub port: u16,
     /// Pre-resolved address when `host` is an IP literal.
     pub addr: Option<SocketAddr>,
+    /// `host`'s address as resolved when the configuration was applied (a
+    /// name; UDP flows use it, never resolving on their receive path).
+    resolved: Mutex<Option<SocketAddr>>,
+    /// How its health is checked; set by every configuration.
+    check: Mutex<HealthCheck>,
+    /// UDP, passive check: since when a datagram relayed to it waits for a
+    /// reply (ns of `clock`; 0: none), the replies seen, and whether it
+    /// refused one (ICMP port unreachable).
+    udp_unanswered_since_ns: AtomicU64,
+    udp_replies: AtomicU64,
+    udp_refused: AtomicBool,
     /// In-flight requests (HTTP) or open connections (TCP) / flows (UDP).
     pub active: AtomicU64,
     pub requests_total: AtomicU64,
@@ -112,6 +134,11 @@ impl ServiceRt {
             host: host.to_string(),
             port,
             addr,
+            resolved: Mutex::new(None),
+            check: Mutex::new(HealthCheck::Tcp),
+            udp_unanswered_since_ns: AtomicU64::new(0),
+            udp_replies: AtomicU64::new(0),
+            udp_refused: AtomicBool::new(false),
             active: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
             resp_us_total: AtomicU64::new(0),
@@ -146,6 +173,90 @@ impl ServiceRt {
         };
         let _ = s.set_nodelay(true);
         Ok(s)
+    }
+
+    /// The service's UDP address: its IP, or its name as resolved when the
+    /// configuration was applied.
+    pub fn target(&self) -> Option<SocketAddr> {
+        self.addr
+            .or_else(|| *self.resolved.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Whether `host` is a name (to resolve when a configuration is applied).
+    pub fn is_named(&self) -> bool {
+        self.addr.is_none()
+    }
+
+    pub fn set_resolved(&self, a: Option<SocketAddr>) {
+        *self.resolved.lock().unwrap_or_else(|e| e.into_inner()) = a;
+    }
+
+    pub fn health_check(&self) -> HealthCheck {
+        self.check.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_health_check(&self, c: HealthCheck) {
+        *self.check.lock().unwrap_or_else(|e| e.into_inner()) = c;
+    }
+
+    /// UDP: a datagram was relayed to the service.
+    #[inline]
+    pub fn udp_sent(&self) {
+        if self.udp_unanswered_since_ns.load(Ordering::Relaxed) == 0 {
+            let _ = self.udp_unanswered_since_ns.compare_exchange(
+                0,
+                now_ns().max(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// UDP: the service answered.
+    #[inline]
+    pub fn udp_replied(&self) {
+        self.udp_replies.fetch_add(1, Ordering::Relaxed);
+        if self.udp_unanswered_since_ns.load(Ordering::Relaxed) != 0 {
+            self.udp_unanswered_since_ns.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// UDP: the service's host said nothing listens there.
+    pub fn udp_refused(&self) {
+        self.udp_refused.store(true, Ordering::Relaxed);
+    }
+
+    /// UDP, passive check: (replies so far, since when a datagram waits for a
+    /// reply (0: none), whether one was refused since the last call).
+    pub fn udp_observed(&self) -> (u64, u64, bool) {
+        (
+            self.udp_replies.load(Ordering::Relaxed),
+            self.udp_unanswered_since_ns.load(Ordering::Relaxed),
+            self.udp_refused.swap(false, Ordering::Relaxed),
+        )
+    }
+
+    /// UDP, passive check: forgets what waited for a reply (the service comes
+    /// back UP for a new trial).
+    pub fn udp_reset(&self) {
+        self.udp_unanswered_since_ns.store(0, Ordering::Relaxed);
+        self.udp_refused.store(false, Ordering::Relaxed);
+    }
+
+    /// [`ServiceRt::connect`] within `timeout` (an unanswered SYN would
+    /// otherwise wait for the kernel's retries, minutes).
+    pub async fn connect_within(
+        &self,
+        dialer: &Dialer,
+        timeout: std::time::Duration,
+    ) -> io::Result<TcpStream> {
+        match tokio::time::timeout(timeout, self.connect(dialer)).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connect timed out after {} ms", timeout.as_millis()),
+            )),
+        }
     }
 
     /// Records one finished request (HTTP) or connection set-up (TCP).

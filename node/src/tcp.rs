@@ -82,7 +82,10 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     for _ in 0..attempts {
         let rt = &st.services[idx].rt;
         let start = Instant::now();
-        match rt.connect(&vs.dialer).await {
+        match rt
+            .connect_within(&vs.dialer, vs.limits.connect_timeout)
+            .await
+        {
             Ok(s) => {
                 rt.record_response(start.elapsed().as_micros() as u64);
                 backend = Some(s);

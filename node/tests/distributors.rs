@@ -309,6 +309,7 @@ async fn nlb_flow_hash_spreads_flows_over_the_nodes() {
                 slow_start: None,
                 scaleout: None,
                 ramp_peers: vec![],
+                ..Default::default()
             }],
         })
         .await

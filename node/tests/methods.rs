@@ -35,6 +35,7 @@ async fn configure(cl: &mut Client, m: LbMethod, services: Vec<Service>) {
                 slow_start: None,
                 scaleout: None,
                 ramp_peers: vec![],
+                ..Default::default()
             }],
         }),
     )
@@ -316,6 +317,7 @@ async fn removed_service_drains_then_closes() {
             slow_start: None,
             scaleout: None,
             ramp_peers: vec![],
+            ..Default::default()
         }],
     };
     cl.configure(tcp_vs(vec![svc("a", &a, 1), svc("b", &b, 1)]))

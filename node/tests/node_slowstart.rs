@@ -64,6 +64,7 @@ fn vserver(services: Vec<Service>, ss: Option<SlowStart>, ramp_peers: Vec<String
         slow_start: ss,
         scaleout: None,
         ramp_peers,
+        ..Default::default()
     }
 }
 

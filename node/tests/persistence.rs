@@ -47,6 +47,7 @@ fn vserver(
         slow_start: None,
         scaleout: None,
         ramp_peers: vec![],
+        ..Default::default()
     }
 }
 

@@ -108,6 +108,7 @@ fn vserver(name: &str, t: ServiceType, port: u32, backend: &str, so: Option<Scal
         slow_start: None,
         scaleout: so,
         ramp_peers: vec![],
+        ..Default::default()
     }
 }
 

@@ -108,6 +108,7 @@ fn vserver(name: &str, t: ServiceType, port: u16, m: LbMethod, services: Vec<Ser
         slow_start: None,
         scaleout: None,
         ramp_peers: vec![],
+        ..Default::default()
     }
 }
 

@@ -68,6 +68,7 @@ fn node_config(
             slow_start: None,
             scaleout: None,
             ramp_peers: vec![],
+            ..Default::default()
         }],
     }
 }

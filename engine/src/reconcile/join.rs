@@ -310,6 +310,12 @@ impl Engine {
                     }),
                     scaleout: None,
                     ramp_peers: vec![],
+                    max_connections: s.max_connections.clamp(0, u32::MAX as i64) as u32,
+                    // Checked at plan time; a bad stored value is the passive check.
+                    udp_health_request: crate::model::udp_health_request_bytes(
+                        &s.udp_health_request,
+                    )
+                    .unwrap_or_default(),
                     services: s
                         .services
                         .into_iter()

@@ -16,10 +16,62 @@ use super::{Inner, Listener, Node, Transport};
 use crate::lb::Method;
 use crate::model::{Kind, VsState, Vserver};
 use crate::persist::{self, Persistence};
-use crate::service::{ServiceRt, SvcEntry};
+use crate::scaleout::RESOLVE_TIMEOUT;
+use crate::service::{HealthCheck, ServiceRt, SvcEntry};
 
 /// A vserver of the configuration: its listener's key, its type, its settings.
 type Desired<'a> = ((u16, Transport), Kind, &'a lbscale_proto::Vserver);
+
+/// The services' names (host, port) as resolved when the configuration is
+/// applied.
+type Resolved = HashMap<(String, u16), Option<SocketAddr>>;
+
+/// Resolves every service given by name, all at once, each within
+/// [`RESOLVE_TIMEOUT`]: UDP flows use the result and never resolve on their
+/// receive path. A name that does not resolve is logged; its UDP flows are not
+/// opened until a configuration resolves it.
+async fn resolve_names(cfg: &NodeConfig) -> Resolved {
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut seen = HashSet::new();
+    for s in cfg.vservers.iter().flat_map(|v| &v.services) {
+        let key = (s.address.clone(), s.port as u16);
+        if s.address.parse::<IpAddr>().is_ok() || !seen.insert(key.clone()) {
+            continue;
+        }
+        tasks.spawn(async move {
+            let lookup = tokio::net::lookup_host((key.0.clone(), key.1));
+            let r = tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await;
+            let a = match r {
+                Ok(Ok(mut a)) => a.next(),
+                Ok(Err(e)) => {
+                    tracing::warn!(service = %key.0, error = %e, "service name does not resolve");
+                    None
+                }
+                Err(_) => {
+                    tracing::warn!(service = %key.0, "service name did not resolve in time");
+                    None
+                }
+            };
+            (key, a)
+        });
+    }
+    let mut out = HashMap::new();
+    while let Some(r) = tasks.join_next().await {
+        if let Ok((k, a)) = r {
+            out.insert(k, a);
+        }
+    }
+    out
+}
+
+/// How a service of vserver `v` of type `kind` is health-checked.
+fn health_check_of(v: &lbscale_proto::Vserver, kind: Kind) -> HealthCheck {
+    match kind {
+        Kind::Udp if v.udp_health_request.is_empty() => HealthCheck::UdpPassive,
+        Kind::Udp => HealthCheck::UdpRequest(v.udp_health_request.as_slice().into()),
+        _ => HealthCheck::Tcp,
+    }
+}
 
 enum Bound {
     Tcp(TcpListener),
@@ -47,6 +99,9 @@ fn method_of(m: i32) -> Method {
         Ok(LbMethod::Customload) => Method::CustomLoad,
     }
 }
+
+/// The largest UDP payload over IPv4.
+const MAX_UDP_PAYLOAD: usize = 65507;
 
 // The checks return the message of an invalid-argument error: the
 // configuration is refused whole, naming the field and what is allowed.
@@ -114,6 +169,15 @@ fn validate_vserver(v: &lbscale_proto::Vserver, own: Option<IpAddr>) -> Result<K
             ));
         }
     }
+    if v.udp_health_request.len() > MAX_UDP_PAYLOAD {
+        return Err(invalid(
+            v,
+            format!(
+                "udp_health_request must be at most {MAX_UDP_PAYLOAD} bytes, got {}",
+                v.udp_health_request.len()
+            ),
+        ));
+    }
     crate::scaleout::validate(v, own)?;
     let p = persist::parse(&v.persistence).map_err(|e| invalid(v, e))?;
     if p == Persistence::Cookie && kind != Kind::Http {
@@ -153,6 +217,7 @@ impl Node {
         let peers = group_peers(&cfg).map_err(Status::invalid_argument)?;
         let desired =
             validate(&cfg, self.common.dialer.source()).map_err(Status::invalid_argument)?;
+        let resolved = resolve_names(&cfg).await;
         let mut inner = self.inner.lock().await;
         if self.draining.load(Ordering::Relaxed) {
             // A draining node takes no new connections: record the version only.
@@ -164,17 +229,21 @@ impl Node {
         for (key, kind, v) in &desired {
             let prev = inner.listeners.get(key).map(|l| l.vs.state());
             let state = Arc::new(
-                self.build_state(v, *kind, prev.as_deref())
+                self.build_state(v, *kind, prev.as_deref(), &resolved)
                     .with_proxy_from(peers.clone()),
             );
             self.service_drains(&v.name, prev.as_deref(), Some(&state));
             if let Some(l) = inner.listeners.get(key) {
                 l.vs.set_state(state);
+                l.vs.set_max_connections(v.max_connections);
                 l.vs.scaleout.update(&v.name, key.0, v.scaleout.as_ref());
             } else if let Some(b) = bound.remove(key) {
                 let l = self.open(v, key.0, state, b);
                 tracing::info!(vserver = %v.name, addr = %SocketAddr::new(self.ip, key.0), kind = ?kind, "vserver listening");
                 inner.listeners.insert(*key, l);
+            }
+            if let Some(l) = inner.listeners.get(key) {
+                l.vs.scaleout.resolve_names().await;
             }
         }
         let names: HashSet<&str> = desired.iter().map(|(_, _, v)| v.name.as_str()).collect();
@@ -251,9 +320,10 @@ impl Node {
             self.opts.persistence_timeout,
         ));
         vs.scaleout.update(&v.name, port, v.scaleout.as_ref());
+        vs.set_max_connections(v.max_connections);
         let task = match b {
             Bound::Tcp(l) => tokio::spawn(crate::listener::accept_loop(l, vs.clone())),
-            Bound::Udp(s) => tokio::spawn(crate::udp::serve(s, vs.clone(), self.ip)),
+            Bound::Udp(s) => tokio::spawn(crate::udp::serve(s, vs.clone())),
         };
         Listener { vs, task }
     }
@@ -266,6 +336,7 @@ impl Node {
         v: &lbscale_proto::Vserver,
         kind: Kind,
         prev: Option<&VsState>,
+        resolved: &Resolved,
     ) -> VsState {
         let loads = self
             .custom_loads
@@ -276,7 +347,11 @@ impl Node {
             .services
             .iter()
             .map(|s| {
-                let rt = self.service_rt(v, s, prev);
+                let rt = self.service_rt(v, kind, s, prev);
+                if rt.is_named() {
+                    let key = (s.address.clone(), s.port as u16);
+                    rt.set_resolved(resolved.get(&key).copied().flatten());
+                }
                 // The configuration's CUSTOMLOAD value takes precedence over the file's.
                 rt.set_custom_load(
                     s.custom_load
@@ -301,6 +376,7 @@ impl Node {
     fn service_rt(
         &self,
         v: &lbscale_proto::Vserver,
+        kind: Kind,
         s: &lbscale_proto::Service,
         prev: Option<&VsState>,
     ) -> Arc<ServiceRt> {
@@ -312,10 +388,13 @@ impl Node {
                     && e.rt.port as u32 == s.port
             })
         });
+        let check = health_check_of(v, kind);
         if let Some(e) = kept {
+            e.rt.set_health_check(check);
             return e.rt.clone();
         }
         let rt = Arc::new(ServiceRt::new(&s.name, &s.address, s.port as u16));
+        rt.set_health_check(check);
         self.prober.watch(&rt, &v.name);
         rt
     }

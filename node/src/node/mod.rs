@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::bounds::{open_files_limit, Budget, Limits};
 use crate::dial::Dialer;
 use crate::health::{HealthCfg, Prober};
 use crate::metrics::Traffic;
@@ -32,6 +33,8 @@ pub struct NodeOpts {
     pub service_drain: Duration,
     /// SOURCEIP persistence: how long a client's entry lives without being used.
     pub persistence_timeout: Duration,
+    /// Timeouts towards services and the request head's size.
+    pub limits: Limits,
 }
 
 impl Default for NodeOpts {
@@ -40,6 +43,7 @@ impl Default for NodeOpts {
             health: HealthCfg::default(),
             service_drain: Duration::from_secs(30),
             persistence_timeout: crate::persist::DEFAULT_TIMEOUT,
+            limits: Limits::default(),
         }
     }
 }
@@ -108,6 +112,8 @@ impl Node {
                 node_hv,
                 traffic: Arc::new(Traffic::default()),
                 dialer,
+                limits: opts.limits,
+                descriptors: Budget::for_descriptors(open_files_limit()),
             },
             drain: CancellationToken::new(),
             draining: AtomicBool::new(false),

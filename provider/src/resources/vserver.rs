@@ -5,8 +5,9 @@ use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{
-    check_vserver_persistence, Finding, Findings, PathStep, ServiceSpec, SlowStartSpec,
-    VserverSpec, LB_METHODS, PERSISTENCE, SERVICE_TYPES, SLOW_START_UNITS,
+    check_vserver_persistence, udp_health_request_bytes, Finding, Findings, PathStep, ServiceSpec,
+    SlowStartSpec, VserverSpec, DEFAULT_MAX_CONNECTIONS, LB_METHODS, PERSISTENCE, SERVICE_TYPES,
+    SLOW_START_UNITS,
 };
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
@@ -46,11 +47,18 @@ pub struct State {
     pub slow_start: Value<Vec<SlowStartBlock>>,
     pub vip: Value<BTreeMap<String, String>>,
     pub slow_start_summary: Value<String>,
+    pub max_connections: Value<Number>,
+    pub udp_health_request: Value<String>,
 }
+
+/// The largest `max_connections` a node takes.
+const MAX_CONNECTIONS_LIMIT: i64 = 1_000_000;
 
 fn apply_defaults(s: &mut State) {
     default_to(&mut s.lb_method, "LEASTCONNECTION".into());
     default_to(&mut s.persistence, "NONE".into());
+    default_to(&mut s.max_connections, DEFAULT_MAX_CONNECTIONS.into());
+    default_to(&mut s.udp_health_request, String::new());
     if let Value::Value(services) = &mut s.service {
         for svc in services {
             default_to(&mut svc.weight, 1.into());
@@ -121,6 +129,16 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
         ),
         vip: Value::Value(vip),
         slow_start_summary: Value::Null,
+        // A row stored before the attribute holds 0: the node's default.
+        max_connections: Value::Value(
+            if spec.max_connections > 0 {
+                spec.max_connections
+            } else {
+                DEFAULT_MAX_CONNECTIONS
+            }
+            .into(),
+        ),
+        udp_health_request: Value::Value(spec.udp_health_request),
     };
     s.slow_start_summary = summary(&s);
     s
@@ -153,6 +171,8 @@ impl ManagedObject for Vserver {
                 ("port", required(AttributeType::Number, "Port the vserver listens on, 1-65535.")),
                 ("lb_method", defaulted(AttributeType::String, "`LEASTCONNECTION` (default), `ROUNDROBIN`, `LEASTRESPONSETIME`, `LEASTBANDWIDTH`, `LEASTPACKETS`, `LRTM` or `CUSTOMLOAD`.")),
                 ("persistence", defaulted(AttributeType::String, "`NONE` (default), `COOKIE` or `SOURCEIP` (kept per AZ cluster only).")),
+                ("max_connections", defaulted(AttributeType::Number, "At most this many client connections (UDP: flows) at once on each node, 1-1000000; past it a TCP or HTTP connection is closed at once and a new UDP flow replaces the least recently used one. Default 10000.")),
+                ("udp_health_request", defaulted(AttributeType::String, "UDP vservers: a datagram in hex (e.g. a DNS query) that the health check sends to each service; a service that answers it is UP. Empty (default): the passive check, where a service that leaves what the node relays to it unanswered goes DOWN.")),
                 ("vip", computed(AttributeType::Map(Box::new(AttributeType::String)), "Where clients reach the vserver in each AZ: the AZ's VIP (`nlb`) or the application's domain (`dns`), with the port.")),
                 ("slow_start_summary", computed(AttributeType::String, "The slow-start settings as operators read them back, e.g. `New Service Startup Request Rate: 5 PER_SECOND, Increment Interval: 10`.")),
             ],
@@ -220,6 +240,33 @@ impl ManagedObject for Vserver {
             );
             if let Some(t) = known(&s.service_type) {
                 check_vserver_persistence(&mut f, t, p);
+            }
+        }
+        let at_max = vec![PathStep::Attr("max_connections")];
+        if let Some(n) = whole_number(
+            &mut f,
+            at_max.clone(),
+            "max_connections",
+            &s.max_connections,
+        ) {
+            f.range(at_max, "max_connections", n, 1, MAX_CONNECTIONS_LIMIT);
+        }
+        if let Some(hex) = known(&s.udp_health_request) {
+            let at = vec![PathStep::Attr("udp_health_request")];
+            if let Err(e) = udp_health_request_bytes(hex) {
+                f.0.push(Finding::error(
+                    at,
+                    "Invalid udp_health_request",
+                    format!(
+                        "udp_health_request must be hex digits in pairs (spaces allowed): {e}."
+                    ),
+                ));
+            } else if !hex.trim().is_empty() && known(&s.service_type).is_some_and(|t| t != "UDP") {
+                f.0.push(Finding::error(
+                    at,
+                    "udp_health_request on a non-UDP vserver",
+                    "udp_health_request applies to vservers of service_type UDP only.",
+                ));
             }
         }
         if let Some(services) = known(&s.service) {
@@ -328,6 +375,8 @@ impl ManagedObject for Vserver {
                         .unwrap_or_else(|| "PER_SECOND".into()),
                     increment_interval: int(&b.increment_interval).unwrap_or(0),
                 }),
+            max_connections: int(&s.max_connections).unwrap_or(DEFAULT_MAX_CONNECTIONS),
+            udp_health_request: string(&s.udp_health_request),
         }
     }
 
