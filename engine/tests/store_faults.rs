@@ -1,0 +1,446 @@
+//! The store under faults: hosts whose clocks disagree, a PostgreSQL server
+//! that stops answering, and a store that grows for months.
+//!
+//! The stalled-server tests stop this store's own backend processes on the
+//! test server with SIGSTOP (found by the `application_name` of the store's
+//! URL in `pg_stat_activity`), as a frozen VM or a half-open socket would
+//! leave them, and let them go on at the end.
+
+use lbscale_engine::reconcile::KeptLease;
+use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
+use lbscale_engine::store_test;
+use lbscale_engine::store_testing::{with_pg_client, Kind, TestStore};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn group(s: &Store, id: &str) {
+    let spec: lbscale_engine::model::GroupSpec = serde_json::from_value(serde_json::json!({
+        "name": format!("{id}-name"),
+        "cloud": "local",
+        "availability_zones": ["az1"],
+        "traffic_distributor_id": "td-1",
+        "min_nodes": 1,
+        "max_nodes": 3,
+        "stats_interval": "1s",
+        "watch_time": "2s",
+        "cooldown": "20s",
+        "drain_timeout": "2s",
+        "thresholds": [],
+        "node": null,
+        "apply_timeout": "5m",
+    }))
+    .expect("a group spec");
+    s.insert_group(id, &spec, "token").unwrap();
+}
+
+// A host whose clock runs 30 s fast must not see a live lease as expired, nor
+// a slow one see an expired lease as live: expiry is the database's clock.
+store_test!(a_host_with_a_fast_clock_cannot_take_a_live_lease, |ts| {
+    let a = ts.open();
+    let fast = ts.open();
+    fast.set_clock_offset_for_tests(30_000);
+    let slow = ts.open();
+    slow.set_clock_offset_for_tests(-30_000);
+    group(&a, "g1");
+
+    let held = a
+        .acquire_lease("g1", "apply-a", Duration::from_secs(10))
+        .unwrap();
+    match fast.acquire_lease("g1", "daemon-fast", Duration::from_secs(10)) {
+        Err(StoreError::LeaseHeld {
+            holder,
+            expires_in_ms,
+            ..
+        }) => {
+            assert_eq!(holder, "apply-a");
+            // What is left, by the database's clock, not 30 s less.
+            assert!(
+                (5_000..=10_000).contains(&expires_in_ms),
+                "{expires_in_ms} ms left"
+            );
+        }
+        other => panic!("a host 30 s ahead took a lease held for 10 s: {other:?}"),
+    }
+    // Nor the claim kind of lease, nor through a renewal of a lease it never had.
+    let claim = a
+        .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(10))
+        .unwrap();
+    assert!(matches!(
+        fast.acquire_lease(
+            &daemon_claim_key("g1"),
+            "daemon-fast",
+            Duration::from_secs(10)
+        ),
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    fast.check_lease(&held).unwrap();
+    fast.check_lease(&claim).unwrap();
+
+    // A short lease expires by the database's clock for the slow host too.
+    let short = a
+        .acquire_lease("g2", "apply-a", Duration::from_millis(300))
+        .unwrap();
+    assert!(matches!(
+        slow.acquire_lease("g2", "slow", Duration::from_secs(10)),
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    std::thread::sleep(Duration::from_millis(400));
+    let taken = slow
+        .acquire_lease("g2", "slow", Duration::from_secs(10))
+        .expect("a host 30 s behind saw an expired lease as live");
+    assert!(taken.fence > short.fence);
+    // The first holder's renewal of its expired lease fails: it was taken.
+    assert!(matches!(
+        a.renew_lease(&short, Duration::from_secs(10)),
+        Err(StoreError::LeaseLost { .. })
+    ));
+});
+
+// A fenced write is refused once the claim expired by the database's clock,
+// even from a host whose clock says it still runs; and a renewal of an expired
+// lease that nobody took is refused too (another lease that excludes it may
+// have been granted meanwhile).
+store_test!(
+    a_write_under_an_expired_claim_is_refused_in_its_statement,
+    |ts| {
+        let s = ts.open();
+        s.set_clock_offset_for_tests(-60_000);
+        group(&s, "g1");
+        let claim = s
+            .acquire_lease(
+                &daemon_claim_key("g1"),
+                "daemon-a",
+                Duration::from_millis(200),
+            )
+            .unwrap();
+        let state = lbscale_core::policy::AzState::new(1);
+        s.put_policy_state(&claim, "g1", "az1", &state).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let err = s.put_policy_state(&claim, "g1", "az1", &state).unwrap_err();
+        assert!(matches!(err, StoreError::LeaseLost { .. }), "{err:?}");
+        assert!(matches!(
+            s.renew_lease(&claim, Duration::from_secs(10)),
+            Err(StoreError::LeaseLost { .. })
+        ));
+        assert!(matches!(
+            s.check_lease(&claim),
+            Err(StoreError::LeaseLost { .. })
+        ));
+    }
+);
+
+// The same event again is one row with a count; a group keeps its newest
+// events up to the count, and none older than the age.
+store_test!(repeated_events_collapse_and_old_ones_go, |ts| {
+    let s = ts.open();
+    s.set_event_retention(EventRetention {
+        max_per_group: 5,
+        max_age: Duration::from_secs(3600),
+    });
+    for _ in 0..50 {
+        s.record_event("g1", None, "resume_failed", "cannot reach the node")
+            .unwrap();
+    }
+    let ev = s.events_of_group("g1", 100).unwrap();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].count, 50);
+    assert!(ev[0].last_ms >= ev[0].time_ms);
+    // Another AZ, kind or reason is another row; the same one after it again too.
+    s.record_event("g1", Some("az1"), "resume_failed", "cannot reach the node")
+        .unwrap();
+    s.record_event("g1", Some("az1"), "resume_failed", "another reason")
+        .unwrap();
+    s.record_event("g1", None, "resume_failed", "cannot reach the node")
+        .unwrap();
+    let ev = s.events_of_group("g1", 100).unwrap();
+    let counts: Vec<u64> = ev.iter().map(|e| e.count).collect();
+    assert_eq!(counts, [50, 1, 1, 1]);
+
+    // By count: 30 distinct events leave the newest 5, in order.
+    for i in 0..30 {
+        s.record_event("g1", None, "scale_out", &format!("breach {i}"))
+            .unwrap();
+    }
+    let reasons: Vec<String> = s
+        .events_of_group("g1", 100)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.reason)
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            "breach 25",
+            "breach 26",
+            "breach 27",
+            "breach 28",
+            "breach 29"
+        ]
+    );
+    assert_eq!(s.count_rows("events").unwrap(), 5);
+    // Another group's events are its own.
+    s.record_event("g2", None, "scale_out", "x").unwrap();
+    assert_eq!(s.events_of_group("g1", 100).unwrap().len(), 5);
+
+    // By age: an event whose last occurrence is older than the age goes at
+    // the group's next event (here the writer's clock moves two hours on).
+    s.set_clock_offset_for_tests(2 * 3600 * 1000);
+    s.record_event("g1", None, "scale_in", "later").unwrap();
+    let ev = s.events_of_group("g1", 100).unwrap();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].reason, "later");
+    assert_eq!(s.events_of_group("g2", 100).unwrap().len(), 1);
+});
+
+#[test]
+fn retention_settings_are_read_and_bad_ones_named() {
+    let d = EventRetention::parse(None, None).unwrap();
+    assert_eq!(d, EventRetention::default());
+    assert_eq!(d.max_per_group, 1000);
+    assert_eq!(d.max_age, Duration::from_secs(30 * 24 * 3600));
+    let r = EventRetention::parse(Some("50"), Some("48h")).unwrap();
+    assert_eq!(
+        (r.max_per_group, r.max_age),
+        (50, Duration::from_secs(48 * 3600))
+    );
+    let e = EventRetention::parse(Some("0"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "LBSCALE_EVENTS_MAX_PER_GROUP: must be a whole number from 1 to 1000000, got \"0\""
+        ),
+        "{e}"
+    );
+    let e = EventRetention::parse(None, Some("a week"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("LBSCALE_EVENTS_MAX_AGE: must be a duration"),
+        "{e}"
+    );
+    let e = EventRetention::parse(None, Some("5s"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must be at least 1m"), "{e}");
+}
+
+// --- a stalled PostgreSQL server ------------------------------------------------
+
+/// The backend pids of the connections named `app`.
+fn backends(ts: &TestStore, app: &str) -> Vec<i32> {
+    let app = app.to_string();
+    with_pg_client(&ts.url, move |c| {
+        Ok(c.query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+            &[&app],
+        )?
+        .iter()
+        .map(|r| r.get::<_, i32>(0))
+        .collect())
+    })
+    .unwrap()
+}
+
+fn signal(sig: &str, pids: &[i32]) {
+    for pid in pids {
+        let st = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill {sig} {pid}");
+    }
+}
+
+/// Stops every backend named `app` (those that open meanwhile too) until
+/// dropped; then lets them all go on.
+struct Stall {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<i32>>>,
+}
+
+impl Stall {
+    fn start(ts: &TestStore, app: &str) -> Stall {
+        let url = ts.url.clone();
+        let name = app.to_string();
+        let app = app.to_string();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let mut c = url
+                .parse::<postgres::Config>()
+                .unwrap()
+                .connect(postgres::NoTls)
+                .unwrap();
+            let mut stopped: Vec<i32> = Vec::new();
+            let mut first = Some(first_tx);
+            while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+                let pids: Vec<i32> = c
+                    .query(
+                        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+                        &[&app],
+                    )
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get(0))
+                    .filter(|p| !stopped.contains(p))
+                    .collect();
+                signal("-STOP", &pids);
+                stopped.extend(pids);
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(stopped.len());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            stopped
+        });
+        let n = first_rx.recv().expect("the stalling thread started");
+        assert!(n > 0, "no backend named {name} to stop");
+        Stall {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            if let Ok(pids) = t.join() {
+                signal("-CONT", &pids);
+            }
+        }
+    }
+}
+
+fn postgres_store(name: &str) -> Option<(TestStore, String, Arc<Store>)> {
+    let ts = TestStore::new(Kind::Postgres, name)?;
+    let app = format!("lbt-{name}-{}", std::process::id());
+    let s = Store::open_url(&format!("{}?application_name={app}", ts.url), &ts.dir).unwrap();
+    Some((ts, app, Arc::new(s)))
+}
+
+// A call on a stalled connection fails at its deadline, holds up no other
+// call of the process meanwhile, and the health probe says so in time.
+#[test]
+fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
+    let Some((ts, app, s)) = postgres_store("stalled_call") else {
+        return;
+    };
+    group(&s, "g1");
+    assert!(!backends(&ts, &app).is_empty());
+    {
+        let _stall = Stall::start(&ts, &app);
+        let t = Instant::now();
+        let err = s.probe(Duration::from_secs(2)).unwrap_err();
+        assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the probe took {:?}",
+            t.elapsed()
+        );
+        assert!(
+            err.to_string().starts_with("the store is unreachable"),
+            "{err}"
+        );
+    }
+    // The stalled backends go on; the store works again, with what it had.
+    let t = Instant::now();
+    loop {
+        match s.probe(Duration::from_secs(2)) {
+            Ok(()) => break,
+            Err(e) if t.elapsed() < Duration::from_secs(30) => {
+                eprintln!("after the stall: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("the store did not come back after the stall: {e}"),
+        }
+    }
+    assert!(s.group("g1").unwrap().is_some());
+
+    // One stalled call holds no process-wide lock: while a call waits on a
+    // stopped backend, another call of the same store answers (or says the
+    // store is unreachable) within its own deadline, not after the first.
+    let mid = backends(&ts, &app);
+    signal("-STOP", &mid);
+    let busy = s.clone();
+    let stuck = std::thread::spawn(move || {
+        let t = Instant::now();
+        (busy.group("g1").map(|g| g.is_some()), t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let probed = s.probe(Duration::from_secs(2));
+    let waited = t.elapsed();
+    signal("-CONT", &mid);
+    let (first, first_took) = stuck.join().unwrap();
+    eprintln!("stopped {mid:?}; probe {probed:?} after {waited:?}; first call {first:?} after {first_took:?}");
+    assert!(
+        waited < Duration::from_secs(5),
+        "a call waited {waited:?} behind a stalled one"
+    );
+}
+
+// A kept lease whose renewals cannot reach the store stops its work within
+// the lease's TTL, by this host's clock alone; another holder then takes the
+// lease by the database's clock, and the first one, resumed, cannot renew it.
+#[test]
+fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
+    let Some((ts, app, s)) = postgres_store("kept_lease") else {
+        return;
+    };
+    let other = ts.open();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let ttl = Duration::from_secs(3);
+        let lease = s.acquire_lease("g1", "first", ttl).unwrap();
+        let kept = KeptLease::keep(s.clone(), lease.clone(), ttl);
+        // Renewed past its first TTL while the store answers.
+        tokio::time::sleep(ttl + Duration::from_secs(1)).await;
+        kept.check().expect("the renewed lease is still ours");
+        let stall = Stall::start(&ts, &app);
+        let t = Instant::now();
+        while !kept.is_lost() {
+            assert!(
+                t.elapsed() < ttl + Duration::from_secs(2),
+                "the lease still counted as held {:?} into the stall",
+                t.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let err = kept.check().unwrap_err();
+        assert!(matches!(err, StoreError::LeaseLost { .. }), "{err:?}");
+        // Another holder (its own connections run) takes it once it expired.
+        let taken = loop {
+            match other.acquire_lease("g1", "second", Duration::from_secs(30)) {
+                Ok(l) => break l,
+                Err(StoreError::LeaseHeld { .. }) if t.elapsed() < Duration::from_secs(15) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(e) => panic!("the second holder could not take the lease: {e}"),
+            }
+        };
+        assert!(taken.fence > lease.fence);
+        drop(stall);
+        // Resumed, the first holder stays out.
+        let t = Instant::now();
+        loop {
+            match s.renew_lease(&lease, ttl) {
+                Err(StoreError::LeaseLost { .. }) => break,
+                Err(e) if t.elapsed() < Duration::from_secs(30) => {
+                    eprintln!("after the stall: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                other => panic!("the first holder renewed a lease it lost: {other:?}"),
+            }
+        }
+        assert!(kept.check().is_err());
+        other.check_lease(&taken).unwrap();
+    });
+}
