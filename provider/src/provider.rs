@@ -8,6 +8,7 @@ use crate::resources::{
     distributor::Distributor, group::Group, managed::Managed, se_group::SeGroup, vserver::Vserver,
 };
 use async_trait::async_trait;
+use lbscale_cloud_aws::credentials::AssumeRole;
 use lbscale_cloud_aws::{api::Endpoint, parse_credentials, AwsSettings};
 use lbscale_cloud_local::{check_address_prefix, LocalSettings};
 use lbscale_engine::cloud::Clouds;
@@ -52,11 +53,28 @@ pub struct AwsBlock {
     #[serde(default)]
     pub credentials: Value<String>,
     #[serde(default)]
+    pub profile: Value<String>,
+    #[serde(default)]
+    pub assume_role: Value<Vec<AssumeRoleBlock>>,
+    #[serde(default)]
     pub image_id: Value<String>,
     #[serde(default)]
     pub instance_type: Value<String>,
     #[serde(default)]
     pub ca_bundle: Value<String>,
+}
+
+/// The `aws` block's `assume_role`: a role assumed over the credentials found.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AssumeRoleBlock {
+    #[serde(default)]
+    pub role_arn: Value<String>,
+    #[serde(default)]
+    pub external_id: Value<String>,
+    #[serde(default)]
+    pub session_name: Value<String>,
+    #[serde(default)]
+    pub duration: Value<String>,
 }
 
 /// The azure and gcp blocks are accepted so that one module serves every
@@ -114,15 +132,67 @@ fn aws_block() -> NestedBlock {
                 "credentials",
                 sensitive(optional(
                     AttributeType::String,
-                    "`ACCESS_KEY_ID:SECRET_ACCESS_KEY` or `ACCESS_KEY_ID:SECRET_ACCESS_KEY:SESSION_TOKEN`. Default: the environment's `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and `AWS_SESSION_TOKEN`. Sensitive: never stored nor logged.",
+                    "`ACCESS_KEY_ID:SECRET_ACCESS_KEY` or `ACCESS_KEY_ID:SECRET_ACCESS_KEY:SESSION_TOKEN`, used instead of the credential chain. Default: the chain of AWS's SDKs (the environment's `AWS_ACCESS_KEY_ID`, the profile of `AWS_PROFILE` in the shared config files, web identity, container credentials, the EC2 instance's role). Sensitive: never stored nor logged.",
                 )),
             ),
+            ("profile", optional(AttributeType::String, "A profile of the shared config and credentials files (`~/.aws/config`, `~/.aws/credentials`, or `AWS_CONFIG_FILE`, `AWS_SHARED_CREDENTIALS_FILE`), used instead of the credential chain: its keys, or its `role_arn` assumed over its `source_profile` or `credential_source`. Default: the chain, where `AWS_PROFILE` names the profile.")),
             ("image_id", optional(AttributeType::String, "The AMI of node instances: an image with `lbscale-node` on its PATH that runs its user data at boot (cloud-init). Default: the environment's `LBSCALE_AWS_IMAGE_ID`.")),
             ("instance_type", optional(AttributeType::String, "The instance type of nodes. Default: the environment's `LBSCALE_AWS_INSTANCE_TYPE`, else `c5.large`.")),
             ("ca_bundle", optional(AttributeType::String, "PEM file of the certificate authorities to trust for the AWS APIs instead of the system's. Default: the environment's `AWS_CA_BUNDLE`.")),
         ],
-        vec![],
+        vec![(
+            "assume_role",
+            NestedBlock::Optional(block(
+                "A role that lbscale assumes (STS `AssumeRole`) with the credentials it found, and calls AWS as. Its credentials are renewed before they expire. Default: the environment's `LBSCALE_AWS_ROLE_ARN` (with `LBSCALE_AWS_EXTERNAL_ID`, `LBSCALE_AWS_ROLE_SESSION_NAME`), else none.",
+                vec![
+                    ("role_arn", required(AttributeType::String, "The role's ARN, `arn:aws:iam::ACCOUNT:role/NAME`.")),
+                    ("external_id", optional(AttributeType::String, "The external ID that the role's trust policy asks for.")),
+                    ("session_name", optional(AttributeType::String, "The session's name, seen in CloudTrail: 2 to 64 letters, digits or `+=,.@-_`. Default: `lbscale-<unix time>`.")),
+                    ("duration", optional(AttributeType::String, "How long each set of the role's credentials lasts, `15m` to `12h` (and at most the role's maximum session duration). Default: STS's, one hour.")),
+                ],
+                vec![],
+            )),
+        )],
     ))
+}
+
+/// The `assume_role` block; a bad value is a diagnostic on its attribute.
+fn assume_role(block: &AssumeRoleBlock, diags: &mut Diagnostics) -> Option<Option<AssumeRole>> {
+    let at = |a: &'static str| {
+        AttributePath::new("aws")
+            .index(0)
+            .attribute("assume_role")
+            .index(0)
+            .attribute(a)
+    };
+    let Some(arn) = known(&block.role_arn) else {
+        // Unknown until apply: checked then.
+        return Some(None);
+    };
+    let mut role = AssumeRole {
+        external_id: known(&block.external_id).cloned(),
+        session_name: known(&block.session_name).cloned(),
+        ..AssumeRole::new(arn)
+    };
+    if let Some(d) = known(&block.duration) {
+        match lbscale_core::duration::parse_duration(d) {
+            Ok(d) => role.duration = Some(d),
+            Err(e) => {
+                error(
+                    diags,
+                    at("duration"),
+                    "Invalid duration",
+                    format!("duration {e}"),
+                );
+                return None;
+            }
+        }
+    }
+    if let Err((field, why)) = role.check() {
+        error(diags, at(field), format!("Invalid {field}"), why);
+        return None;
+    }
+    Some(Some(role))
 }
 
 /// The `aws` block over the environment; a bad value is a diagnostic on its
@@ -137,10 +207,16 @@ fn aws_settings(config: &ProviderConfig, diags: &mut Diagnostics) -> Option<AwsS
         region: known(&aws.region).cloned(),
         endpoint: known(&aws.endpoint).cloned(),
         credentials: None,
+        profile: known(&aws.profile).cloned(),
+        assume_role: None,
+        env: Default::default(),
         image_id: known(&aws.image_id).cloned(),
         instance_type: known(&aws.instance_type).cloned(),
         ca_bundle: known(&aws.ca_bundle).map(Into::into),
     };
+    if let Some(block) = known(&aws.assume_role).and_then(|v| v.first()) {
+        over.assume_role = assume_role(block, diags)?;
+    }
     if let Some(e) = &over.endpoint {
         if let Err(why) = Endpoint::parse(e) {
             error(diags, at("endpoint"), "Invalid endpoint", why);

@@ -5,8 +5,12 @@
 //! `POST /` with `Action` and `Version`) and Route 53's REST API (XML bodies).
 //! Every call has a deadline and names its action in errors; throttling answers
 //! are retried with back-off. The response is the body's XML, parsed later by
-//! [`super::xml`].
+//! [`super::xml`]. The credentials of each call come from a shared
+//! [`SharedCredentials`], which refreshes temporary ones before they expire.
+//! [`fetch`] is the same transport without a signature, for the instance and
+//! container credential endpoints.
 
+use super::credentials::SharedCredentials;
 use super::sigv4::{self, Credentials};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -26,6 +30,7 @@ pub enum Service {
     Ec2,
     Elb,
     Route53,
+    Sts,
 }
 
 impl Service {
@@ -35,6 +40,7 @@ impl Service {
             Service::Ec2 => "ec2",
             Service::Elb => "elasticloadbalancing",
             Service::Route53 => "route53",
+            Service::Sts => "sts",
         }
     }
     /// Route 53 is global within a partition: signed for the partition's
@@ -55,6 +61,8 @@ impl Service {
         match (self, Partition::of(region)) {
             (Service::Ec2, _) => format!("ec2.{region}.{suffix}"),
             (Service::Elb, _) => format!("elasticloadbalancing.{region}.{suffix}"),
+            // The regional endpoint, as AWS's SDKs use now.
+            (Service::Sts, _) => format!("sts.{region}.{suffix}"),
             (Service::Route53, Partition::Aws) => "route53.amazonaws.com".into(),
             (Service::Route53, Partition::China) => "route53.amazonaws.com.cn".into(),
             (Service::Route53, Partition::GovCloud) => "route53.us-gov.amazonaws.com".into(),
@@ -124,6 +132,17 @@ impl Endpoint {
         Ok(Endpoint { tls, host, port })
     }
 
+    /// Parses `http(s)://HOST[:PORT][/PATH]`: the endpoint and the path (`/`
+    /// when there is none), for the credential endpoints' URLs.
+    pub fn parse_url(url: &str) -> std::result::Result<(Endpoint, String), String> {
+        let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
+        let (base, path) = match url[after_scheme..].find('/') {
+            Some(i) => url.split_at(after_scheme + i),
+            None => (url, "/"),
+        };
+        Ok((Endpoint::parse(base)?, path.to_string()))
+    }
+
     /// The `Host` header: the port only when it is not the scheme's default.
     fn host_header(&self) -> String {
         let host = if self.host.contains(':') {
@@ -147,11 +166,12 @@ pub struct ApiError {
     pub message: String,
 }
 
-/// A client of the AWS APIs in one region with one set of credentials.
+/// A client of the AWS APIs in one region with one source of credentials,
+/// shared by all its calls.
 pub struct AwsApi {
     region: String,
     endpoint: Option<Endpoint>,
-    credentials: Credentials,
+    credentials: Arc<SharedCredentials>,
     tls: Arc<rustls::ClientConfig>,
 }
 
@@ -159,7 +179,7 @@ impl AwsApi {
     pub fn new(
         region: String,
         endpoint: Option<Endpoint>,
-        credentials: Credentials,
+        credentials: Arc<SharedCredentials>,
         tls: Arc<rustls::ClientConfig>,
     ) -> AwsApi {
         AwsApi {
@@ -174,17 +194,23 @@ impl AwsApi {
         &self.region
     }
 
+    /// The credentials that calls are signed with.
+    pub fn credentials(&self) -> &Arc<SharedCredentials> {
+        &self.credentials
+    }
+
     /// An AWS error message as it may be shown: a signature mismatch quotes the
     /// canonical request (with the session token) and is cut there, and the
-    /// secret and the token never appear.
-    fn redacted(&self, message: String) -> String {
+    /// secret and the token of `creds` (those the call was signed with) never
+    /// appear.
+    fn redacted(message: String, creds: Option<&Credentials>) -> String {
         let mut m = match message.find("The Canonical String") {
             Some(at) => format!("{}(canonical request not shown)", &message[..at]),
             None => message,
         };
         let secrets = [
-            Some(self.credentials.secret_access_key.as_str()),
-            self.credentials.session_token.as_deref(),
+            creds.map(|c| c.secret_access_key.as_str()),
+            creds.and_then(|c| c.session_token.as_deref()),
         ];
         for secret in secrets.into_iter().flatten().filter(|s| !s.is_empty()) {
             m = m.replace(secret, "<redacted>");
@@ -201,6 +227,29 @@ impl AwsApi {
         version: &str,
         params: &[(String, String)],
     ) -> Result<String> {
+        self.query_as(true, service, action, version, params).await
+    }
+
+    /// A query-API call sent without a signature (STS's
+    /// `AssumeRoleWithWebIdentity`, whose token is the proof).
+    pub async fn query_unsigned(
+        &self,
+        service: Service,
+        action: &str,
+        version: &str,
+        params: &[(String, String)],
+    ) -> Result<String> {
+        self.query_as(false, service, action, version, params).await
+    }
+
+    async fn query_as(
+        &self,
+        signed: bool,
+        service: Service,
+        action: &str,
+        version: &str,
+        params: &[(String, String)],
+    ) -> Result<String> {
         let mut form = vec![
             ("Action".to_string(), action.to_string()),
             ("Version".to_string(), version.to_string()),
@@ -212,6 +261,7 @@ impl AwsApi {
             .collect::<Vec<_>>()
             .join("&");
         self.call(
+            signed,
             service,
             action,
             "POST",
@@ -232,12 +282,20 @@ impl AwsApi {
         path: &str,
         xml: Option<String>,
     ) -> std::result::Result<String, ApiError> {
-        self.call(service, what, method, path, xml.map(|b| ("text/xml", b)))
-            .await
+        self.call(
+            true,
+            service,
+            what,
+            method,
+            path,
+            xml.map(|b| ("text/xml", b)),
+        )
+        .await
     }
 
     async fn call(
         &self,
+        signed: bool,
         service: Service,
         what: &str,
         method: &str,
@@ -254,10 +312,27 @@ impl AwsApi {
         };
         let mut delay = Duration::from_millis(200);
         let mut attempt = 1;
+        let mut renewed = false;
         loop {
+            let creds = if signed {
+                Some(self.credentials.get().await.map_err(|message| ApiError {
+                    status: 0,
+                    code: "NoCredentials".into(),
+                    message,
+                })?)
+            } else {
+                None
+            };
             let r = tokio::time::timeout(
                 CALL_TIMEOUT,
-                self.once(service, &endpoint, method, path, body.as_ref()),
+                self.once(
+                    service,
+                    &endpoint,
+                    method,
+                    path,
+                    body.as_ref(),
+                    creds.as_ref(),
+                ),
             )
             .await
             .unwrap_or_else(|_| {
@@ -273,6 +348,13 @@ impl AwsApi {
                 })
             });
             match r {
+                // Temporary credentials that AWS finds expired before their
+                // stated time (a clock ahead): fetched anew, once.
+                Err(e) if signed && !renewed && expired(&e) => {
+                    tracing::debug!(call = what, code = %e.code, "AWS credentials expired early; fetching new ones");
+                    self.credentials.invalidate().await;
+                    renewed = true;
+                }
                 Err(e) if attempt < ATTEMPTS && retryable(&e) => {
                     tracing::debug!(call = what, attempt, code = %e.code, "retrying an AWS call");
                     tokio::time::sleep(delay).await;
@@ -291,6 +373,7 @@ impl AwsApi {
         method: &str,
         path: &str,
         body: Option<&(&str, String)>,
+        creds: Option<&Credentials>,
     ) -> std::result::Result<String, ApiError> {
         let host = endpoint.host_header();
         let content: &[u8] = body.map(|(_, b)| b.as_bytes()).unwrap_or(b"");
@@ -308,20 +391,28 @@ impl AwsApi {
         } else {
             format!("{path}?{}", sigv4::canonical_query(&query))
         };
-        let signed = sigv4::sign(
-            &sigv4::Request {
-                method,
-                host: &host,
-                path: &path,
-                query: &query,
-                headers: &headers,
-                body: content,
-            },
-            &self.credentials,
-            &service.signing_region(&self.region),
-            service.signing_name(),
-            now,
-        );
+        let request = sigv4::Request {
+            method,
+            host: &host,
+            path: &path,
+            query: &query,
+            headers: &headers,
+            body: content,
+        };
+        let signed = match creds {
+            Some(creds) => sigv4::sign(
+                &request,
+                creds,
+                &service.signing_region(&self.region),
+                service.signing_name(),
+                now,
+            ),
+            None => {
+                let mut h = headers.clone();
+                h.push(("host".into(), host.clone()));
+                h
+            }
+        };
         let mut req = hyper::Request::builder().method(method).uri(uri);
         for (k, v) in &signed {
             req = req.header(k.as_str(), v.as_str());
@@ -330,27 +421,7 @@ impl AwsApi {
             .header("content-length", content.len())
             .body(Full::new(Bytes::copy_from_slice(content)))
             .map_err(|e| transport(format!("building the request: {e}")))?;
-
-        let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
-            .await
-            .map_err(|e| {
-                transport(format!(
-                    "connecting to {}:{}: {e}",
-                    endpoint.host, endpoint.port
-                ))
-            })?;
-        let _ = tcp.set_nodelay(true);
-        let (status, bytes) = if endpoint.tls {
-            let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
-                .map_err(|e| transport(format!("{}: not a TLS server name: {e}", endpoint.host)))?;
-            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
-                .connect(name, tcp)
-                .await
-                .map_err(|e| transport(format!("TLS with {}: {e}", endpoint.host)))?;
-            exchange(tls, req).await?
-        } else {
-            exchange(tcp, req).await?
-        };
+        let (status, bytes) = send(endpoint, &self.tls, req).await?;
         let text = String::from_utf8_lossy(&bytes).into_owned();
         if (200..300).contains(&status) {
             return Ok(text);
@@ -361,12 +432,74 @@ impl AwsApi {
                 text.chars().take(200).collect::<String>(),
             )
         });
-        let message = self.redacted(message);
+        let message = AwsApi::redacted(message, creds);
         Err(ApiError {
             status,
             code,
             message,
         })
+    }
+}
+
+/// Sends `req` to `endpoint` (over TLS when it says so) on a new connection:
+/// the status and the body of the answer.
+async fn send(
+    endpoint: &Endpoint,
+    tls: &Arc<rustls::ClientConfig>,
+    req: hyper::Request<Full<Bytes>>,
+) -> std::result::Result<(u16, Bytes), ApiError> {
+    let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
+        .await
+        .map_err(|e| {
+            transport(format!(
+                "connecting to {}:{}: {e}",
+                endpoint.host, endpoint.port
+            ))
+        })?;
+    let _ = tcp.set_nodelay(true);
+    if endpoint.tls {
+        let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
+            .map_err(|e| transport(format!("{}: not a TLS server name: {e}", endpoint.host)))?;
+        let tls = tokio_rustls::TlsConnector::from(tls.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(|e| transport(format!("TLS with {}: {e}", endpoint.host)))?;
+        exchange(tls, req).await
+    } else {
+        exchange(tcp, req).await
+    }
+}
+
+/// An unsigned request to `url` (`http(s)://HOST[:PORT]/PATH`) with
+/// `headers`, answered within `deadline`: the status and the body. For the
+/// instance metadata service and the container credential endpoint; the
+/// error names the URL and what went wrong, never a header's value.
+pub async fn fetch(
+    tls: &Arc<rustls::ClientConfig>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    deadline: Duration,
+) -> std::result::Result<(u16, String), String> {
+    let (endpoint, path) = Endpoint::parse_url(url)?;
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", endpoint.host_header())
+        .header("content-length", 0);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| format!("{method} {url}: building the request: {e}"))?;
+    match tokio::time::timeout(deadline, send(&endpoint, tls, req)).await {
+        Err(_) => Err(format!(
+            "{method} {url}: no answer within {} ms",
+            deadline.as_millis()
+        )),
+        Ok(Err(e)) => Err(format!("{method} {url}: {}", e.message)),
+        Ok(Ok((status, body))) => Ok((status, String::from_utf8_lossy(&body).into_owned())),
     }
 }
 
@@ -423,6 +556,14 @@ fn retryable(e: &ApiError) -> bool {
     ) || e.status >= 500
 }
 
+/// AWS's answer to temporary credentials past their expiry.
+fn expired(e: &ApiError) -> bool {
+    matches!(
+        e.code.as_str(),
+        "ExpiredToken" | "ExpiredTokenException" | "RequestExpired"
+    )
+}
+
 /// A refused call as the engine reports it: the service, the call, AWS's code
 /// and message.
 pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
@@ -442,7 +583,6 @@ pub fn failed(service: Service, what: &str, e: ApiError) -> CloudError {
 #[cfg(test)]
 mod tests {
     use super::{AwsApi, Credentials, Endpoint, Service};
-    use std::sync::Arc;
 
     #[test]
     fn each_partition_has_its_endpoints_and_route53_region() {
@@ -475,35 +615,32 @@ mod tests {
             Service::Elb.signing_region("us-gov-east-1"),
             "us-gov-east-1"
         );
+        assert_eq!(
+            Service::Sts.default_host("eu-west-1"),
+            "sts.eu-west-1.amazonaws.com"
+        );
+        assert_eq!(
+            Service::Sts.default_host("cn-north-1"),
+            "sts.cn-north-1.amazonaws.com.cn"
+        );
     }
 
     #[test]
     fn error_messages_never_show_the_secret_or_the_token() {
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(rustls::RootCertStore::empty())
-        .with_no_client_auth();
-        let api = AwsApi::new(
-            "us-east-1".into(),
-            None,
-            Credentials {
-                access_key_id: "AKID".into(),
-                secret_access_key: "SECRETKEY".into(),
-                session_token: Some("TOKENVALUE".into()),
-            },
-            Arc::new(tls),
-        );
-        let m = api.redacted(
+        let creds = Credentials {
+            access_key_id: "AKID".into(),
+            secret_access_key: "SECRETKEY".into(),
+            session_token: Some("TOKENVALUE".into()),
+        };
+        let m = AwsApi::redacted(
             "The request signature we calculated does not match. The Canonical String for this request should have been\n'GET\nx-amz-security-token:TOKENVALUE'".into(),
+            Some(&creds),
         );
         assert!(
             !m.contains("TOKENVALUE") && m.contains("does not match"),
             "{m}"
         );
-        let m = api.redacted("echoed SECRETKEY and TOKENVALUE".into());
+        let m = AwsApi::redacted("echoed SECRETKEY and TOKENVALUE".into(), Some(&creds));
         assert_eq!(m, "echoed <redacted> and <redacted>");
     }
 
@@ -525,6 +662,13 @@ mod tests {
             Endpoint::parse("https://[::1]").unwrap().host_header(),
             "[::1]"
         );
+        let (e, path) = Endpoint::parse_url("http://169.254.170.2/v2/credentials/abc?x=1").unwrap();
+        assert_eq!(
+            (e.host.as_str(), e.port, path.as_str()),
+            ("169.254.170.2", 80, "/v2/credentials/abc?x=1")
+        );
+        let (e, path) = Endpoint::parse_url("http://[fd00:ec2::254]").unwrap();
+        assert_eq!((e.host.as_str(), path.as_str()), ("fd00:ec2::254", "/"));
         for bad in [
             "ftp://x",
             "http://",

@@ -17,10 +17,12 @@
 //! - An `nlb` distributor is an ELBv2 network load balancer ([`elb`]).
 //!
 //! Settings come from the provider's `aws` block, else from AWS's usual
-//! environment variables (`AWS_REGION`, `AWS_ACCESS_KEY_ID`, ...), which is
-//! where the daemon takes them.
+//! environment variables (`AWS_REGION`, `AWS_PROFILE`, ...), which is where
+//! the daemon takes them. Credentials are found as AWS's SDKs find them and
+//! refreshed before they expire ([`credentials`]).
 
 pub mod api;
+pub mod credentials;
 mod elb;
 #[cfg(feature = "testing")]
 pub mod moto_testing;
@@ -29,6 +31,7 @@ pub mod xml;
 
 use api::{AwsApi, Endpoint, Service};
 use base64::Engine as _;
+use credentials::{AssumeRole, EnvVars};
 use lbscale_engine::cloud::{
     Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
 };
@@ -60,7 +63,15 @@ pub struct AwsSettings {
     pub region: Option<String>,
     /// One endpoint for every service (tests, private endpoints).
     pub endpoint: Option<String>,
+    /// Keys given outright: used instead of the credential chain.
     pub credentials: Option<Credentials>,
+    /// A profile of the shared config files given outright: used instead of
+    /// the chain (`AWS_PROFILE` is the chain's own).
+    pub profile: Option<String>,
+    /// A role assumed over the credentials found.
+    pub assume_role: Option<AssumeRole>,
+    /// The environment the credential chain reads (`AWS_*`, `HOME`).
+    pub env: EnvVars,
     /// The image of node instances: one with `lbscale-node` on its PATH.
     pub image_id: Option<String>,
     pub instance_type: Option<String>,
@@ -70,23 +81,25 @@ pub struct AwsSettings {
 
 impl AwsSettings {
     /// From AWS's usual environment variables: `AWS_REGION` (or
-    /// `AWS_DEFAULT_REGION`), `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
-    /// `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_CA_BUNDLE`; and
-    /// lbscale's `LBSCALE_AWS_IMAGE_ID`, `LBSCALE_AWS_INSTANCE_TYPE`.
+    /// `AWS_DEFAULT_REGION`), `AWS_ENDPOINT_URL`, `AWS_CA_BUNDLE` and those of
+    /// the credential chain ([`credentials`]); and lbscale's
+    /// `LBSCALE_AWS_IMAGE_ID`, `LBSCALE_AWS_INSTANCE_TYPE` and the role to
+    /// assume, `LBSCALE_AWS_ROLE_ARN` (with `LBSCALE_AWS_EXTERNAL_ID`,
+    /// `LBSCALE_AWS_ROLE_SESSION_NAME`): the daemon's `assume_role`.
     pub fn from_env() -> AwsSettings {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let credentials = match (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-            (Some(id), Some(secret)) => Some(Credentials {
-                access_key_id: id,
-                secret_access_key: secret,
-                session_token: var("AWS_SESSION_TOKEN"),
-            }),
-            _ => None,
-        };
+        let assume_role = var("LBSCALE_AWS_ROLE_ARN").map(|arn| AssumeRole {
+            external_id: var("LBSCALE_AWS_EXTERNAL_ID"),
+            session_name: var("LBSCALE_AWS_ROLE_SESSION_NAME"),
+            ..AssumeRole::new(&arn)
+        });
         AwsSettings {
             region: var("AWS_REGION").or_else(|| var("AWS_DEFAULT_REGION")),
             endpoint: var("AWS_ENDPOINT_URL"),
-            credentials,
+            credentials: None,
+            profile: None,
+            assume_role,
+            env: EnvVars::from_process(),
             image_id: var("LBSCALE_AWS_IMAGE_ID"),
             instance_type: var("LBSCALE_AWS_INSTANCE_TYPE"),
             ca_bundle: var("AWS_CA_BUNDLE").map(PathBuf::from),
@@ -99,6 +112,13 @@ impl AwsSettings {
             region: over.region.or(self.region),
             endpoint: over.endpoint.or(self.endpoint),
             credentials: over.credentials.or(self.credentials),
+            profile: over.profile.or(self.profile),
+            assume_role: over.assume_role.or(self.assume_role),
+            env: if over.env.is_empty() {
+                self.env
+            } else {
+                over.env
+            },
             image_id: over.image_id.or(self.image_id),
             instance_type: over.instance_type.or(self.instance_type),
             ca_bundle: over.ca_bundle.or(self.ca_bundle),
@@ -122,6 +142,17 @@ pub fn parse_credentials(s: &str) -> std::result::Result<Credentials, String> {
         secret_access_key: secret.into(),
         session_token: token,
     })
+}
+
+/// The region of the profile the credentials come from, when no region is set.
+fn profile_region(settings: &AwsSettings) -> std::result::Result<Option<String>, String> {
+    let name = settings
+        .profile
+        .as_deref()
+        .or(settings.env.get("AWS_PROFILE"))
+        .unwrap_or("default");
+    let profiles = credentials::profile::Profiles::load(&settings.env)?;
+    Ok(profiles.value(name, "region").map(str::to_string))
 }
 
 /// The EC2 and Route 53 driver.
@@ -168,14 +199,16 @@ pub fn drivers(
 }
 
 impl AwsCloud {
-    /// A driver from `settings`; an error names what is missing.
+    /// A driver from `settings`; an error names what is missing or wrong.
+    /// Credentials that come over the network (a role, the instance's) are
+    /// fetched at the first call.
     pub fn new(settings: AwsSettings, store: DriverStore) -> std::result::Result<AwsCloud, String> {
-        let region = settings
-            .region
-            .ok_or("no AWS region: set `region` in the provider's aws block, or AWS_REGION")?;
-        let credentials = settings.credentials.ok_or(
-            "no AWS credentials: set `credentials` in the provider's aws block, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
-        )?;
+        let region = match settings.region.clone() {
+            Some(r) => r,
+            None => profile_region(&settings)?.ok_or(
+                "no AWS region: set `region` in the provider's aws block, or AWS_REGION (or `region` in the AWS profile)",
+            )?,
+        };
         let endpoint = settings
             .endpoint
             .as_deref()
@@ -193,14 +226,46 @@ impl AwsCloud {
         .map_err(|e| e.to_string())?
         .with_root_certificates(roots)
         .with_no_client_auth();
+        let tls = Arc::new(tls);
+        let credentials = credentials::resolve(
+            &credentials::Choice {
+                credentials: settings.credentials,
+                profile: settings.profile,
+                assume_role: settings.assume_role,
+            },
+            &settings.env,
+            &credentials::Context {
+                region: region.clone(),
+                endpoint: endpoint.clone(),
+                tls: tls.clone(),
+            },
+        )?;
         Ok(AwsCloud {
-            api: AwsApi::new(region, endpoint, credentials, Arc::new(tls)),
+            api: AwsApi::new(region, endpoint, credentials, tls),
             image_id: settings.image_id,
             instance_type: settings
                 .instance_type
                 .unwrap_or_else(|| DEFAULT_INSTANCE_TYPE.into()),
             store,
         })
+    }
+
+    /// Who the driver calls AWS as (STS `GetCallerIdentity`): the ARN of the
+    /// user or of the assumed role's session.
+    pub async fn caller_identity(&self) -> Result<String> {
+        let body = self
+            .api
+            .query(Service::Sts, "GetCallerIdentity", "2011-06-15", &[])
+            .await?;
+        let doc = xml::parse("sts GetCallerIdentity", &body)?;
+        xml::text(doc.root(), "Arn").ok_or_else(|| {
+            CloudError::Failed("AWS sts GetCallerIdentity: no Arn in the answer".into())
+        })
+    }
+
+    /// Where the driver's credentials come from (no secret).
+    pub fn credential_source(&self) -> String {
+        self.api.credentials().describe()
     }
 
     /// Whether nodes can be started: an image is set.

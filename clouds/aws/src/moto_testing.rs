@@ -45,9 +45,8 @@ impl Moto {
                 secret_access_key: "test-secret-key".into(),
                 session_token: None,
             }),
-            image_id: None,
-            instance_type: None,
             ca_bundle: Some(self.ca.clone()),
+            ..AwsSettings::default()
         }
     }
 

@@ -227,12 +227,18 @@ async fn errors_name_the_call_and_the_missing_setting() {
         .err()
         .unwrap();
     assert!(e.contains("region") && e.contains("AWS_REGION"), "{e}");
+    // No credentials anywhere in the chain (and no instance metadata to ask).
     let mut settings = node_settings(&moto);
     settings.credentials = None;
+    settings.env =
+        lbscale_cloud_aws::credentials::EnvVars::of(&[("AWS_EC2_METADATA_DISABLED", "true")]);
     let e = AwsCloud::new(settings, DriverStore::new(store("errors5")))
         .err()
         .unwrap();
-    assert!(e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+    assert!(
+        e.contains("AWS_ACCESS_KEY_ID") && e.contains("AWS_WEB_IDENTITY_TOKEN_FILE"),
+        "{e}"
+    );
 }
 
 fn dns_spec(domain: &str) -> DistributorSpec {
