@@ -1,14 +1,16 @@
 //! The daemon's HTTP listener: four GET routes over a hand-rolled HTTP/1.1 (one
 //! request per connection, `Connection: close`). Every read is bounded.
 //!
-//! - `/healthz`: 200 `ok`;
+//! - `/healthz`: 200 `ok` while the store answers, 503 with the reason while it
+//!   does not (a probe task asks it every second, with a deadline: a request
+//!   never waits for the store);
 //! - `/metrics`: Prometheus text;
 //! - `/v1/groups`: every group with each AZ's phase and node counts (JSON);
 //! - `/v1/events?group=NAME[&limit=N]`: the group's recent events (JSON).
 
 use crate::Shared;
 use serde_json::json;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -17,13 +19,75 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEAD: usize = 16 * 1024;
 
+/// How often the store is probed for `/healthz`, and how long a probe waits
+/// for it (a free connection and the answer).
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+const PROBE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What the last probe of the store found: `None` when it answered.
+#[derive(Default)]
+struct Health {
+    unreachable: Option<String>,
+}
+
+type SharedHealth = Arc<Mutex<Health>>;
+
+/// Asks the store whether it answers, every [`PROBE_EVERY`], on a blocking
+/// thread, giving up at twice [`PROBE_DEADLINE`]; a probe still running is
+/// waited for before the next one starts (no pile of stalled threads).
+async fn probe_store(shared: Arc<Shared>, health: SharedHealth) {
+    let set = |why: Option<String>| {
+        let mut h = health.lock().unwrap_or_else(|e| e.into_inner());
+        match (&h.unreachable, &why) {
+            (None, Some(w)) => {
+                tracing::warn!(error = %w, "the store is unreachable; /healthz answers 503")
+            }
+            (Some(_), None) => tracing::info!("the store answers again; /healthz answers 200"),
+            _ => {}
+        }
+        h.unreachable = why;
+    };
+    loop {
+        let s = shared.clone();
+        let mut job = tokio::task::spawn_blocking(move || s.engine.probe_store(PROBE_DEADLINE));
+        tokio::select! {
+            done = &mut job => match done {
+                Ok(Ok(())) => set(None),
+                Ok(Err(e)) => {
+                    let e = e.to_string();
+                    set(Some(e.strip_prefix("the store is unreachable: ").unwrap_or(&e).to_string()))
+                }
+                Err(e) => set(Some(format!("the store probe failed: {e}"))),
+            },
+            _ = tokio::time::sleep(PROBE_DEADLINE * 2) => {
+                set(Some(format!(
+                    "the store did not answer a probe within {} s",
+                    (PROBE_DEADLINE * 2).as_secs()
+                )));
+                let _ = job.await;
+            }
+        }
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+}
+
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+    let health: SharedHealth = Arc::default();
+    // Ends with this task (the daemon aborts it at shutdown).
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _probe = AbortOnDrop(tokio::spawn(probe_store(shared.clone(), health.clone())));
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 let shared = shared.clone();
+                let health = health.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, &shared).await {
+                    if let Err(e) = handle(stream, &shared, &health).await {
                         tracing::debug!(error = %e, "http connection");
                     }
                 });
@@ -54,7 +118,11 @@ async fn read_head(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     }
 }
 
-async fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+async fn handle(
+    mut stream: TcpStream,
+    shared: &Shared,
+    health: &Mutex<Health>,
+) -> std::io::Result<()> {
     let head = tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream))
         .await
         .map_err(|_| std::io::Error::other("read timed out"))??;
@@ -62,12 +130,17 @@ async fn handle(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let line = text.lines().next().unwrap_or("");
     let mut parts = line.split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, ctype, body) = route(method, target, shared);
+    let (status, ctype, body) = if target == "/healthz" && (method == "GET" || method == "HEAD") {
+        healthz(health)
+    } else {
+        route(method, target, shared)
+    };
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        503 => "Service Unavailable",
         _ => "Internal Server Error",
     };
     let resp = format!(
@@ -96,7 +169,6 @@ fn route(method: &str, target: &str, shared: &Shared) -> (u16, &'static str, Str
     }
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     match path {
-        "/healthz" => (200, TEXT, "ok\n".into()),
         "/metrics" => (200, PROM, shared.metrics.render()),
         "/v1/groups" => {
             let groups = shared.status_snapshot();
@@ -104,6 +176,13 @@ fn route(method: &str, target: &str, shared: &Shared) -> (u16, &'static str, Str
         }
         "/v1/events" => events(query, shared),
         _ => (404, TEXT, "not found\n".into()),
+    }
+}
+
+fn healthz(health: &Mutex<Health>) -> (u16, &'static str, String) {
+    match &health.lock().unwrap_or_else(|e| e.into_inner()).unreachable {
+        None => (200, TEXT, "ok\n".into()),
+        Some(why) => (503, TEXT, format!("store unreachable: {why}\n")),
     }
 }
 
@@ -158,6 +237,8 @@ fn events(query: &str, shared: &Shared) -> (u16, &'static str, String) {
                     "az": e.az,
                     "kind": e.kind,
                     "reason": e.reason,
+                    "count": e.count,
+                    "last_ms": e.last_ms,
                 })
             })),
             Err(e) => return (500, JSON, json!({"error": e.to_string()}).to_string()),

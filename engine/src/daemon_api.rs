@@ -160,6 +160,12 @@ impl Engine {
         self.store.location()
     }
 
+    /// Whether the store answers within `deadline` (the daemon's health).
+    /// Blocks for at most about `deadline`: call it off the async tasks.
+    pub fn probe_store(&self, deadline: Duration) -> Result<()> {
+        Ok(self.store.probe(deadline)?)
+    }
+
     pub(crate) fn group_row(&self, group_id: &str) -> Result<Row<GroupSpec>> {
         self.store
             .group(group_id)?

@@ -28,7 +28,7 @@
 
 use crate::store::{Result, StoreError};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -450,14 +450,29 @@ pub(crate) struct PgConn {
     /// connection is never used again (it ends when that call does).
     stalled: bool,
     idle_since: Instant,
+    /// Its thread's state, shared with the thread's [`Slot`].
+    state: Arc<AtomicU8>,
+    stalls: Arc<AtomicUsize>,
 }
 
 /// Counts a pool's live connection threads; the thread's guard gives its
-/// slot back when it ends (however late a stalled call returns).
-struct Slot(Arc<AtomicUsize>);
+/// slot back when it ends (however late a stalled call returns), and its
+/// count of stalled calls with it.
+struct Slot {
+    threads: Arc<AtomicUsize>,
+    stalls: Arc<AtomicUsize>,
+    /// [`RUNNING`], [`STALLED`] (a call gave up on it) or [`ENDED`].
+    state: Arc<AtomicU8>,
+}
+const RUNNING: u8 = 0;
+const STALLED: u8 = 1;
+const ENDED: u8 = 2;
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        if self.state.swap(ENDED, Ordering::SeqCst) == STALLED {
+            self.stalls.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.threads.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -472,6 +487,7 @@ impl PgConn {
         let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (config, tls) = (target.config.clone(), target.tls.clone());
+        let (state, stalls) = (slot.state.clone(), slot.stalls.clone());
         std::thread::Builder::new()
             .name("lbscale-postgres".into())
             .spawn(move || {
@@ -492,6 +508,8 @@ impl PgConn {
                 deadline: limits.call_deadline,
                 stalled: false,
                 idle_since: Instant::now(),
+                state,
+                stalls,
             }),
             Ok(Err(f)) => Err(open_err(f.message)),
             Err(mpsc::RecvTimeoutError::Timeout) => Err(StoreError::Unreachable(format!(
@@ -518,6 +536,14 @@ impl PgConn {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.stalled = true;
+                // Counted until the thread ends (unless it just did).
+                if self
+                    .state
+                    .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    self.stalls.fetch_add(1, Ordering::SeqCst);
+                }
                 return Err(StoreError::Unreachable(format!(
                     "PostgreSQL did not answer within {} ms",
                     self.deadline.as_millis()
@@ -577,6 +603,8 @@ pub(crate) struct PgPool {
     idle: Mutex<Vec<PgConn>>,
     freed: Condvar,
     threads: Arc<AtomicUsize>,
+    /// Calls that got no answer by their deadline and still wait for it.
+    stalls: Arc<AtomicUsize>,
     /// For messages: which pool ("store", "leases").
     name: &'static str,
 }
@@ -589,6 +617,7 @@ impl PgPool {
             idle: Mutex::new(Vec::new()),
             freed: Condvar::new(),
             threads: Arc::new(AtomicUsize::new(0)),
+            stalls: Arc::new(AtomicUsize::new(0)),
             name,
         }
     }
@@ -644,7 +673,11 @@ impl PgPool {
                 (n < max).then_some(n + 1)
             })
             .ok()
-            .map(|_| Slot(self.threads.clone()))
+            .map(|_| Slot {
+                threads: self.threads.clone(),
+                stalls: self.stalls.clone(),
+                state: Arc::new(AtomicU8::new(RUNNING)),
+            })
     }
 
     fn put(&self, mut c: PgConn) {
@@ -658,6 +691,13 @@ impl PgPool {
         idle.push(c);
         drop(idle);
         self.freed.notify_one();
+    }
+
+    /// How many calls gave up waiting for the server and still wait: while
+    /// there are any, the server (or the way to it) is stalled, even if a new
+    /// connection happens to answer.
+    pub fn stalled_calls(&self) -> usize {
+        self.stalls.load(Ordering::SeqCst)
     }
 
     pub fn limits(&self) -> PgLimits {

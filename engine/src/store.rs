@@ -572,11 +572,18 @@ impl Store {
     }
 
     /// Whether the store answers a trivial query within `deadline` (waiting
-    /// for a free connection included): the daemon's health probe.
+    /// for a free connection included), and no earlier call still waits past
+    /// its deadline: the daemon's health probe.
     pub fn probe(&self, deadline: Duration) -> Result<()> {
         match &self.backend {
             Backend::Sqlite(_) => self.with(|c| c.int("SELECT 1", &[]).map(|_| ())),
-            Backend::Postgres { pool, .. } => off_runtime(|| {
+            Backend::Postgres { pool, leases } => off_runtime(|| {
+                let stalled = pool.stalled_calls() + leases.stalled_calls();
+                if stalled > 0 {
+                    return Err(StoreError::Unreachable(format!(
+                        "{stalled} call(s) to PostgreSQL got no answer within their deadline and still wait for it"
+                    )));
+                }
                 let mut c = pool.get(deadline, deadline)?;
                 c.int("SELECT 1", &[]).map(|_| ())
             }),

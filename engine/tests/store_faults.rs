@@ -2,14 +2,16 @@
 //! that stops answering, and a store that grows for months.
 //!
 //! The stalled-server tests stop this store's own backend processes on the
-//! test server with SIGSTOP (found by the `application_name` of the store's
-//! URL in `pg_stat_activity`), as a frozen VM or a half-open socket would
-//! leave them, and let them go on at the end.
+//! test server with SIGSTOP (`store_testing::StoppedBackends`: found by the
+//! `application_name` of the store's URL in `pg_stat_activity`), as a stalled
+//! server or a half-open socket leaves them, and let them go on at the end.
 
 use lbscale_engine::reconcile::KeptLease;
 use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
 use lbscale_engine::store_test;
-use lbscale_engine::store_testing::{with_pg_client, Kind, TestStore};
+use lbscale_engine::store_testing::{
+    backends_named, signal_backends, Kind, StoppedBackends, TestStore,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -227,92 +229,12 @@ fn retention_settings_are_read_and_bad_ones_named() {
 
 // --- a stalled PostgreSQL server ------------------------------------------------
 
-/// The backend pids of the connections named `app`.
 fn backends(ts: &TestStore, app: &str) -> Vec<i32> {
-    let app = app.to_string();
-    with_pg_client(&ts.url, move |c| {
-        Ok(c.query(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
-            &[&app],
-        )?
-        .iter()
-        .map(|r| r.get::<_, i32>(0))
-        .collect())
-    })
-    .unwrap()
+    backends_named(&ts.url, app)
 }
 
 fn signal(sig: &str, pids: &[i32]) {
-    for pid in pids {
-        let st = std::process::Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(st.success(), "kill {sig} {pid}");
-    }
-}
-
-/// Stops every backend named `app` (those that open meanwhile too) until
-/// dropped; then lets them all go on.
-struct Stall {
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Vec<i32>>>,
-}
-
-impl Stall {
-    fn start(ts: &TestStore, app: &str) -> Stall {
-        let url = ts.url.clone();
-        let name = app.to_string();
-        let app = app.to_string();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let (first_tx, first_rx) = std::sync::mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            let mut c = url
-                .parse::<postgres::Config>()
-                .unwrap()
-                .connect(postgres::NoTls)
-                .unwrap();
-            let mut stopped: Vec<i32> = Vec::new();
-            let mut first = Some(first_tx);
-            while !flag.load(std::sync::atomic::Ordering::SeqCst) {
-                let pids: Vec<i32> = c
-                    .query(
-                        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
-                        &[&app],
-                    )
-                    .unwrap()
-                    .iter()
-                    .map(|r| r.get(0))
-                    .filter(|p| !stopped.contains(p))
-                    .collect();
-                signal("-STOP", &pids);
-                stopped.extend(pids);
-                if let Some(tx) = first.take() {
-                    let _ = tx.send(stopped.len());
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            stopped
-        });
-        let n = first_rx.recv().expect("the stalling thread started");
-        assert!(n > 0, "no backend named {name} to stop");
-        Stall {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for Stall {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            if let Ok(pids) = t.join() {
-                signal("-CONT", &pids);
-            }
-        }
-    }
+    signal_backends(sig, pids)
 }
 
 fn postgres_store(name: &str) -> Option<(TestStore, String, Arc<Store>)> {
@@ -332,7 +254,7 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
     group(&s, "g1");
     assert!(!backends(&ts, &app).is_empty());
     {
-        let _stall = Stall::start(&ts, &app);
+        let _stall = StoppedBackends::start(&ts.url, &app);
         let t = Instant::now();
         let err = s.probe(Duration::from_secs(2)).unwrap_err();
         assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
@@ -404,7 +326,7 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
         // Renewed past its first TTL while the store answers.
         tokio::time::sleep(ttl + Duration::from_secs(1)).await;
         kept.check().expect("the renewed lease is still ours");
-        let stall = Stall::start(&ts, &app);
+        let stall = StoppedBackends::start(&ts.url, &app);
         let t = Instant::now();
         while !kept.is_lost() {
             assert!(
