@@ -1328,6 +1328,84 @@ impl Store {
         self.with(|c| c.execute("DELETE FROM nodes WHERE id = ?1", vals![id]))?;
         Ok(())
     }
+    /// As [`Store::insert_node`], fenced by `lease` in the statement itself:
+    /// the row is written only while `lease` is its key's current lease (this
+    /// holder, this fence, unexpired by the database's clock); else
+    /// [`StoreError::LeaseLost`] and nothing is written.
+    pub fn insert_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
+        let written = self.with(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO nodes (id, group_id, az, seq, state, private_ip, public_ip, registered, handle, created_at, updated_at)
+                     SELECT ?1, ?2, ?3, CAST(?4 AS BIGINT), ?5, ?6, CAST(?7 AS TEXT), CAST(?8 AS BIGINT), ?9,
+                            CAST(?10 AS BIGINT), CAST(?10 AS BIGINT)
+                     WHERE {}",
+                    fence_clause(11)
+                ),
+                vals![
+                    &n.id, &n.group_id, &n.az, n.seq, n.state.as_str(), &n.private_ip, &n.public_ip,
+                    n.registered, n.handle.to_string(), n.created_at,
+                    &lease.group_id, &lease.holder, lease.fence
+                ],
+            )
+        })?;
+        self.fenced(lease, written, "node row not inserted")
+    }
+
+    /// As [`Store::update_node`], fenced by `lease` in the statement itself
+    /// (see [`Store::insert_node_under`]); a node that is gone is no error.
+    pub fn update_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
+        let written = self.with(|c| {
+            c.execute(
+                &format!(
+                    "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
+                     private_ip = ?6, public_ip = ?7 WHERE id = ?1 AND {}",
+                    fence_clause(8)
+                ),
+                vals![
+                    &n.id,
+                    n.state.as_str(),
+                    n.registered,
+                    n.handle.to_string(),
+                    self.now(),
+                    &n.private_ip,
+                    &n.public_ip,
+                    &lease.group_id,
+                    &lease.holder,
+                    lease.fence
+                ],
+            )
+        })?;
+        self.fenced(lease, written, "node row not updated")
+    }
+
+    /// As [`Store::delete_node`], fenced by `lease` in the statement itself
+    /// (see [`Store::insert_node_under`]); a node that is gone is no error.
+    pub fn delete_node_under(&self, lease: &Lease, id: &str) -> Result<()> {
+        let written = self.with(|c| {
+            c.execute(
+                &format!("DELETE FROM nodes WHERE id = ?1 AND {}", fence_clause(2)),
+                vals![id, &lease.group_id, &lease.holder, lease.fence],
+            )
+        })?;
+        self.fenced(lease, written, "node row not deleted")
+    }
+
+    /// After a fenced write of `written` rows: Ok if it wrote, or if the lease
+    /// is still live (the row was simply not there); else why it was refused.
+    fn fenced(&self, lease: &Lease, written: u64, what: &str) -> Result<()> {
+        if written > 0 {
+            return Ok(());
+        }
+        self.check_lease(lease).map_err(|e| match e {
+            StoreError::LeaseLost { group, detail } => StoreError::LeaseLost {
+                group,
+                detail: format!("{what}: {detail}"),
+            },
+            other => other,
+        })
+    }
+
     /// The group's nodes, oldest first.
     pub fn nodes_of_group(&self, group_id: &str) -> Result<Vec<NodeRow>> {
         let rows = self.with(|c| {
@@ -1679,6 +1757,18 @@ impl Store {
         })?;
         Ok(total)
     }
+}
+
+/// The condition that fences a write: the lease whose key, holder and fence
+/// are the parameters `?first`, `?first+1`, `?first+2` is current and unexpired
+/// by the database's clock.
+fn fence_clause(first: usize) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM leases WHERE group_id = ?{first} AND holder = ?{} \
+         AND fence = CAST(?{} AS BIGINT) AND expires_ms > {NOW_MS})",
+        first + 1,
+        first + 2
+    )
 }
 
 /// The holder of `key` and how long its lease has left (database clock), if

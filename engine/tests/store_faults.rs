@@ -131,6 +131,55 @@ store_test!(
     }
 );
 
+// Node rows written under a lease are fenced in their statement: once another
+// holder took the lease over, the old holder's insert, update and delete
+// change nothing.
+store_test!(node_writes_under_a_lost_lease_change_nothing, |ts| {
+    let s = ts.open();
+    let other = ts.open();
+    let key = lbscale_engine::store::az_lease_key("g1", "az1");
+    let mine = s
+        .acquire_lease(&key, "daemon-a", Duration::from_millis(300))
+        .unwrap();
+    let node = |id: &str| lbscale_engine::store::NodeRow {
+        id: id.into(),
+        group_id: "g1".into(),
+        az: "az1".into(),
+        seq: 1,
+        state: lbscale_engine::store::NodeState::Provisioning,
+        private_ip: "127.0.0.9".into(),
+        public_ip: None,
+        registered: false,
+        handle: serde_json::json!({}),
+        created_at: 1,
+    };
+    s.insert_node_under(&mine, &node("n1")).unwrap();
+    let mut n1 = node("n1");
+    n1.state = lbscale_engine::store::NodeState::Active;
+    n1.public_ip = Some("192.0.2.1".into());
+    s.update_node_under(&mine, &n1).unwrap();
+    assert_eq!(s.nodes_of_group("g1").unwrap(), vec![n1.clone()]);
+    // A node that is gone, under a live lease: nothing to do, no error.
+    s.update_node_under(&mine, &node("gone")).unwrap();
+
+    std::thread::sleep(Duration::from_millis(400));
+    let theirs = other
+        .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
+        .unwrap();
+    let lost = |r: Result<(), StoreError>| {
+        assert!(matches!(r, Err(StoreError::LeaseLost { .. })), "{r:?}")
+    };
+    lost(s.insert_node_under(&mine, &node("n2")));
+    let mut stale = n1.clone();
+    stale.state = lbscale_engine::store::NodeState::Draining;
+    lost(s.update_node_under(&mine, &stale));
+    lost(s.delete_node_under(&mine, "n1"));
+    assert_eq!(s.nodes_of_group("g1").unwrap(), vec![n1.clone()]);
+    // The new holder's writes go through.
+    other.delete_node_under(&theirs, "n1").unwrap();
+    assert!(s.nodes_of_group("g1").unwrap().is_empty());
+});
+
 // The same event again is one row with a count; a group keeps its newest
 // events up to the count, and none older than the age.
 store_test!(repeated_events_collapse_and_old_ones_go, |ts| {
