@@ -108,6 +108,61 @@ impl<'de> serde::Deserialize<'de> for TextDuration {
     }
 }
 
+/// A duration setting as the user declared it: parsed once, when it is read, and
+/// kept with the text it was written as, so that what Terraform shows back is
+/// what the configuration says (`"90s"` stays `"90s"`, not `"1m30s"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeclaredDuration {
+    text: String,
+    value: Duration,
+}
+
+impl DeclaredDuration {
+    /// Reads `text`; the error is meant to follow the setting's name.
+    pub fn parse(text: &str) -> Result<Self, DurationError> {
+        Ok(Self {
+            value: parse_duration(text)?,
+            text: text.to_string(),
+        })
+    }
+
+    /// The setting in its shortest text form (for settings made in code).
+    pub fn of(value: Duration) -> Self {
+        Self {
+            text: format_duration(value),
+            value,
+        }
+    }
+
+    pub fn get(&self) -> Duration {
+        self.value
+    }
+
+    /// The text as declared.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl fmt::Display for DeclaredDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl serde::Serialize for DeclaredDuration {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeclaredDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        DeclaredDuration::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,6 +189,15 @@ mod tests {
         assert_eq!(format_as_seconds(Duration::from_secs(90)), "90s");
         assert_eq!(format_as_seconds(Duration::from_millis(1500)), "1500ms");
         assert_eq!(format_as_seconds(Duration::ZERO), "0s");
+    }
+
+    #[test]
+    fn a_declared_duration_keeps_its_text_and_reads_once() {
+        let d: DeclaredDuration = serde_json::from_str("\"90s\"").unwrap();
+        assert_eq!(d.get(), Duration::from_secs(90));
+        assert_eq!(serde_json::to_string(&d).unwrap(), "\"90s\"");
+        let e = serde_json::from_str::<DeclaredDuration>("\"90\"").unwrap_err();
+        assert!(e.to_string().contains("\"90\""), "{e}");
     }
 
     #[test]

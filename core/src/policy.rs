@@ -55,7 +55,7 @@ fn ms(d: Duration) -> Millis {
 }
 
 /// A statistic that thresholds can watch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Metric {
     /// CPU utilisation, percent.

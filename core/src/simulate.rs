@@ -217,33 +217,10 @@ fn read_azs(group: &Obj<'_>) -> Result<Vec<String>, ConfigError> {
     Ok(azs)
 }
 
-/// The fields of a group's scaling policy, as `lbscale simulate`'s `group`
-/// object and [`group_policy`] take them.
-const POLICY_FIELDS: &[&str] = &[
-    "min_nodes",
-    "max_nodes",
-    "initial_nodes",
-    "stats_interval",
-    "watch_time",
-    "cooldown",
-    "drain_timeout",
-    "distributor",
-    "dns_ttl",
-    "thresholds",
-];
-
-/// The one conversion of a group's scaling settings to the policy the core
-/// runs, with the initial node count per AZ: what `lbscale simulate`, the
-/// simulation data source (both through [`parse_input`]) and the daemon (from
-/// the group's stored settings) use, so that a setting is read, and refused,
-/// in the same words everywhere. `group` is an object of [`POLICY_FIELDS`]
-/// (durations as strings such as `30s`; `distributor` `dns` or `nlb`;
-/// `thresholds` a list of `{metric, min, max}`); paths in errors are relative
-/// to it.
-pub fn group_policy(group: &Value) -> Result<(PolicyConfig, u32), ConfigError> {
-    read_policy(&as_object(group, Vec::new(), POLICY_FIELDS)?)
-}
-
+/// A scaling policy from the `group` object of the input: read into core's
+/// declared [`PolicySpec`] and checked by [`validate_policy`], the one check
+/// that the daemon (from a group's typed settings) runs too, so that a setting
+/// is refused in the same words everywhere.
 fn read_policy(group: &Obj<'_>) -> Result<(PolicyConfig, u32), ConfigError> {
     let spec = read_policy_spec(group)?;
     validate_policy(&spec).map_err(|mut e| e.remove(0).under_path(&group.path))

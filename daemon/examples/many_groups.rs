@@ -4,7 +4,9 @@
 //! then `lbscale daemon --state sqlite://DIR/state.db --address-prefix PREFIX`.
 
 use lbscale_cloud_local::LocalSettings;
-use lbscale_engine::model::{DistributorSpec, GroupSpec, ThresholdSpec};
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
+};
 use lbscale_engine::Engine;
 use std::path::PathBuf;
 
@@ -31,10 +33,10 @@ async fn main() {
     let d = engine
         .create_distributor(&DistributorSpec {
             name: "bench-dns".into(),
-            cloud: "local".into(),
-            mode: "dns".into(),
+            cloud: CloudName::Local,
+            mode: DistributorMode::Dns,
             domain: Some("bench.lbscale.test".into()),
-            ttl: "1s".into(),
+            ttl: DeclaredDuration::parse("1s").unwrap(),
         })
         .await
         .expect("distributor");
@@ -42,22 +44,22 @@ async fn main() {
     for i in 0..n {
         let spec = GroupSpec {
             name: format!("g{i:03}"),
-            cloud: "local".into(),
+            cloud: CloudName::Local,
             availability_zones: vec!["az1".into()],
             traffic_distributor_id: d.clone(),
             min_nodes: 1,
             max_nodes: 2,
-            stats_interval: interval.clone(),
-            watch_time: interval.clone(),
-            cooldown: "3s".into(),
-            drain_timeout: "2s".into(),
+            stats_interval: DeclaredDuration::parse(&interval).unwrap(),
+            watch_time: DeclaredDuration::parse(&interval).unwrap(),
+            cooldown: DeclaredDuration::parse("3s").unwrap(),
+            drain_timeout: DeclaredDuration::parse("2s").unwrap(),
             thresholds: vec![ThresholdSpec {
-                metric: "throughput".into(),
+                metric: Metric::Throughput,
                 min: 1.0,
                 max: 1000.0,
             }],
             node: None,
-            apply_timeout: "60s".into(),
+            apply_timeout: DeclaredDuration::parse("60s").unwrap(),
         };
         let id = engine.declare_group(&spec).expect("declare group");
         engine

@@ -11,7 +11,7 @@ use crate::sample::{self, CachedClient, Sampled};
 use crate::spans::{size_spans, span_target_cpu, SpanPolicy};
 use crate::status::{az_status, nodes_by_state};
 use crate::Shared;
-use lbscale_core::duration::{format_as_seconds, parse_duration};
+use lbscale_core::duration::format_as_seconds;
 use lbscale_core::policy::{AzState, Phase, PolicyConfig};
 use lbscale_core::seplan::SpanStreak;
 use lbscale_engine::daemon_api::Turn;
@@ -207,12 +207,10 @@ pub(crate) fn report_error(shared: &Shared, id: &str, name: &str, what: &str, de
     shared.update_status(id, |s| s.last_error = Some(format!("{what}: {detail}")));
 }
 
-/// The group's `stats_interval`; one that does not parse is looked at every
-/// 10 s (to report the error).
+/// The group's `stats_interval` (a zero one, which validation refuses, is
+/// looked at every 100 ms at most).
 fn interval_of(spec: &GroupSpec) -> Duration {
-    parse_duration(&spec.stats_interval)
-        .unwrap_or(Duration::from_secs(10))
-        .max(Duration::from_millis(100))
+    spec.stats_interval.get().max(Duration::from_millis(100))
 }
 
 /// One evaluation of one group (see the crate docs): read its policy, take
@@ -230,7 +228,7 @@ pub async fn evaluate(
         s.name = spec.name.clone();
         s.min_nodes = spec.min_nodes;
         s.max_nodes = spec.max_nodes;
-        s.stats_interval = spec.stats_interval.clone();
+        s.stats_interval = spec.stats_interval.to_string();
     });
     let cfg = policy(shared, rt, row, version)?;
     let interval = Duration::from_millis(cfg.stats_interval);

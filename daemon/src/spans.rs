@@ -14,7 +14,7 @@ use std::collections::HashMap;
 pub(crate) fn span_target_cpu(spec: &GroupSpec) -> f64 {
     spec.thresholds
         .iter()
-        .find(|t| t.metric == "cpu")
+        .find(|t| t.metric == lbscale_core::policy::Metric::Cpu)
         .map(|t| t.max)
         .unwrap_or(lbscale_core::seplan::DEFAULT_SPAN_TARGET_CPU)
 }

@@ -15,7 +15,7 @@ pub fn initial_status(row: &Row<GroupSpec>) -> GroupStatus {
         name: row.spec.name.clone(),
         min_nodes: row.spec.min_nodes,
         max_nodes: row.spec.max_nodes,
-        stats_interval: row.spec.stats_interval.clone(),
+        stats_interval: row.spec.stats_interval.to_string(),
         owner: String::new(),
         last_evaluated_ms: None,
         in_flight: None,

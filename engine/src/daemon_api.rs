@@ -50,43 +50,23 @@ impl Engine {
         Ok(self.store.group_with_version(id)?)
     }
 
-    /// The group's scaling policy, as the core reads and validates it (the
-    /// same conversion as `lbscale simulate`'s): `Ok(Err(why))` names the
-    /// setting that does not read.
+    /// The group's scaling policy, validated by core's rules (the same ones as
+    /// `lbscale simulate`'s): `Ok(Err(why))` names the setting that does not
+    /// pass them.
     pub fn group_policy(
         &self,
         spec: &GroupSpec,
     ) -> Result<std::result::Result<PolicyConfig, String>> {
-        let (mode, ttl) = match self.store.distributor(&spec.traffic_distributor_id)? {
-            Some(d) => (d.spec.mode, d.spec.ttl),
-            None => ("nlb".to_string(), "0s".to_string()),
-        };
-        let thresholds: Vec<serde_json::Value> = spec
-            .thresholds
-            .iter()
-            .map(|t| serde_json::json!({"metric": t.metric, "min": t.min, "max": t.max}))
-            .collect();
-        let group = serde_json::json!({
-            "min_nodes": spec.min_nodes,
-            "max_nodes": spec.max_nodes,
-            "stats_interval": spec.stats_interval,
-            "watch_time": spec.watch_time,
-            "cooldown": spec.cooldown,
-            "drain_timeout": spec.drain_timeout,
-            "distributor": mode,
-            // A distributor's TTL: named so in an error.
-            "dns_ttl": ttl,
-            "thresholds": thresholds,
-        });
-        Ok(lbscale_core::simulate::group_policy(&group)
-            .map(|(cfg, _)| cfg)
-            .map_err(|e| {
-                let e = e.to_string();
-                match e.strip_prefix("dns_ttl") {
-                    Some(rest) => format!("traffic distributor ttl{rest}"),
-                    None => e,
-                }
-            }))
+        let distributor = self.store.distributor(&spec.traffic_distributor_id)?;
+        Ok(lbscale_core::policy::validate_policy(
+            &spec.policy_spec(distributor.as_ref().map(|d| &d.spec)),
+        )
+        .map(|(cfg, _)| cfg)
+        .map_err(|errors| {
+            errors
+                .first()
+                .map_or_else(|| "invalid policy".to_string(), |e| e.to_string())
+        }))
     }
 
     /// Whether `daemon` may act on the group now (see the module's docs). Its

@@ -8,6 +8,9 @@
 use lbscale_core::duration::parse_duration;
 use lbscale_core::error::{ConfigError, PathStep as CorePathStep};
 use lbscale_core::policy;
+// The types of the specs' typed settings.
+pub use lbscale_core::duration::DeclaredDuration;
+pub use lbscale_core::policy::Metric;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -30,18 +33,100 @@ pub const SCALING_MODES: &[&str] = &["native", "bgp", "native_and_bgp"];
 
 pub const DEFAULT_MEMORY_LIMIT_MB: i64 = 256;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DistributorSpec {
-    pub name: String,
-    pub cloud: String,
-    pub mode: String,
-    pub domain: Option<String>,
-    pub ttl: String,
+/// The cloud a group or distributor lives in: the name its driver is
+/// registered under (see `cloud::Clouds`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CloudName {
+    Local,
+    Aws,
+    Azure,
+    Gcp,
+}
+
+impl CloudName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CloudName::Local => "local",
+            CloudName::Aws => "aws",
+            CloudName::Azure => "azure",
+            CloudName::Gcp => "gcp",
+        }
+    }
+    /// Reads a name of [`CLOUDS`].
+    pub fn parse(name: &str) -> Option<CloudName> {
+        [
+            CloudName::Local,
+            CloudName::Aws,
+            CloudName::Azure,
+            CloudName::Gcp,
+        ]
+        .into_iter()
+        .find(|c| c.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for CloudName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a distributor spreads clients over a group's nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DistributorMode {
+    /// Name records, one address per serving node; clients re-resolve after the TTL.
+    Dns,
+    /// One VIP per AZ in front of the nodes.
+    Nlb,
+}
+
+impl DistributorMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DistributorMode::Dns => "dns",
+            DistributorMode::Nlb => "nlb",
+        }
+    }
+    /// Reads a name of [`DISTRIBUTOR_MODES`].
+    pub fn parse(name: &str) -> Option<DistributorMode> {
+        [DistributorMode::Dns, DistributorMode::Nlb]
+            .into_iter()
+            .find(|m| m.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for DistributorMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DistributorSpec {
+    pub name: String,
+    pub cloud: CloudName,
+    pub mode: DistributorMode,
+    pub domain: Option<String>,
+    pub ttl: DeclaredDuration,
+}
+
+impl DistributorSpec {
+    /// How long a resolver may keep an answer: the TTL of a `dns` distributor,
+    /// zero for an `nlb` (its VIPs do not change).
+    pub fn answer_ttl(&self) -> Duration {
+        match self.mode {
+            DistributorMode::Dns => self.ttl.get(),
+            DistributorMode::Nlb => Duration::ZERO,
+        }
+    }
+}
+
+/// A threshold block, validated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ThresholdSpec {
-    pub metric: String,
+    pub metric: Metric,
     pub min: f64,
     pub max: f64,
 }
@@ -54,19 +139,19 @@ pub struct NodeSizeSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GroupSpec {
     pub name: String,
-    pub cloud: String,
+    pub cloud: CloudName,
     pub availability_zones: Vec<String>,
     pub traffic_distributor_id: String,
     pub min_nodes: i64,
     pub max_nodes: i64,
-    pub stats_interval: String,
-    pub watch_time: String,
-    pub cooldown: String,
-    pub drain_timeout: String,
+    pub stats_interval: DeclaredDuration,
+    pub watch_time: DeclaredDuration,
+    pub cooldown: DeclaredDuration,
+    pub drain_timeout: DeclaredDuration,
     pub thresholds: Vec<ThresholdSpec>,
     /// `None` when the configuration has no `node` block (defaults apply).
     pub node: Option<NodeSizeSpec>,
-    pub apply_timeout: String,
+    pub apply_timeout: DeclaredDuration,
 }
 
 impl GroupSpec {
@@ -76,10 +161,38 @@ impl GroupSpec {
             .map_or(DEFAULT_MEMORY_LIMIT_MB, |n| n.memory_limit_mb)
     }
     pub fn drain_timeout(&self) -> Duration {
-        parse_duration(&self.drain_timeout).unwrap_or(Duration::from_secs(600))
+        self.drain_timeout.get()
     }
     pub fn apply_timeout(&self) -> Duration {
-        parse_duration(&self.apply_timeout).unwrap_or(Duration::from_secs(300))
+        self.apply_timeout.get()
+    }
+
+    /// The group's scaling policy as core declares one, with the distributor
+    /// it publishes through (`None`: an `nlb`-like distributor without a TTL,
+    /// as when it is gone). The one conversion from a group to core's policy:
+    /// `policy::validate_policy` of it is what the daemon runs.
+    pub fn policy_spec(&self, distributor: Option<&DistributorSpec>) -> policy::PolicySpec {
+        let mode = distributor.map_or(DistributorMode::Nlb, |d| d.mode);
+        policy::PolicySpec {
+            min_nodes: u32::try_from(self.min_nodes).unwrap_or(0),
+            max_nodes: u32::try_from(self.max_nodes).unwrap_or(0),
+            initial_nodes: None,
+            stats_interval: self.stats_interval.get(),
+            watch_time: self.watch_time.get(),
+            cooldown: self.cooldown.get(),
+            drain_timeout: self.drain_timeout.get(),
+            distributor: mode.as_str().to_string(),
+            dns_ttl: distributor.map_or(Duration::ZERO, |d| d.ttl.get()),
+            thresholds: self
+                .thresholds
+                .iter()
+                .map(|t| policy::ThresholdSpec {
+                    metric: t.metric.name().to_string(),
+                    min: t.min,
+                    max: t.max,
+                })
+                .collect(),
+        }
     }
 }
 
@@ -90,7 +203,7 @@ pub struct SeGroupSpec {
     pub scaling_mode: String,
     pub min_scaleout_per_vs: i64,
     pub max_scaleout_per_vs: i64,
-    pub vs_scalein_timeout: String,
+    pub vs_scalein_timeout: DeclaredDuration,
     pub se_tunnel_mode: i64,
     pub primary_forwarding_cost: f64,
 }
@@ -233,6 +346,59 @@ impl Findings {
         }
     }
 
+    /// A duration setting read into its typed form (`None`, with a finding, when
+    /// it does not parse).
+    pub fn declared_duration(
+        &mut self,
+        field: &'static str,
+        value: &str,
+    ) -> Option<DeclaredDuration> {
+        self.duration(vec![PathStep::Attr(field)], field, value)?;
+        DeclaredDuration::parse(value).ok()
+    }
+
+    /// `cloud` read into its typed form.
+    pub fn cloud(&mut self, value: &str) -> Option<CloudName> {
+        self.one_of(vec![PathStep::Attr("cloud")], "cloud", value, CLOUDS);
+        CloudName::parse(value)
+    }
+
+    /// A distributor's `mode` read into its typed form.
+    pub fn distributor_mode(&mut self, value: &str) -> Option<DistributorMode> {
+        self.one_of(
+            vec![PathStep::Attr("mode")],
+            "mode",
+            value,
+            DISTRIBUTOR_MODES,
+        );
+        DistributorMode::parse(value)
+    }
+
+    /// Threshold blocks read into their typed form, by core's rules.
+    pub fn typed_thresholds(
+        &mut self,
+        thresholds: &[policy::ThresholdSpec],
+    ) -> Option<Vec<ThresholdSpec>> {
+        let before = self.0.len();
+        self.thresholds(thresholds);
+        if self.0[before..]
+            .iter()
+            .any(|f| f.severity == Severity::Error)
+        {
+            return None;
+        }
+        thresholds
+            .iter()
+            .map(|t| {
+                Some(ThresholdSpec {
+                    metric: Metric::parse(&t.metric)?,
+                    min: t.min,
+                    max: t.max,
+                })
+            })
+            .collect()
+    }
+
     /// `value` must be a duration string; returns it when it is.
     pub fn duration(&mut self, path: Vec<PathStep>, field: &str, value: &str) -> Option<Duration> {
         match parse_duration(value) {
@@ -262,7 +428,7 @@ impl Findings {
     /// Thresholds: at least one block, and core's rules for each (known metric,
     /// `min < max`, percent bounds, one block per metric), the same rules that
     /// `lbscale simulate` and the daemon apply.
-    pub fn thresholds(&mut self, thresholds: &[ThresholdSpec]) {
+    pub fn thresholds(&mut self, thresholds: &[policy::ThresholdSpec]) {
         if thresholds.is_empty() {
             self.0.push(Finding::error(
                 vec![PathStep::Attr("threshold")],
@@ -270,15 +436,7 @@ impl Findings {
                 "At least one threshold block is required (metric \"cpu\", \"memory\" or \"throughput\").",
             ));
         }
-        let specs: Vec<policy::ThresholdSpec> = thresholds
-            .iter()
-            .map(|t| policy::ThresholdSpec {
-                metric: t.metric.clone(),
-                min: t.min,
-                max: t.max,
-            })
-            .collect();
-        if let Err(errors) = policy::validate_thresholds(&specs) {
+        if let Err(errors) = policy::validate_thresholds(thresholds) {
             self.0.extend(errors.iter().map(from_core));
         }
     }
@@ -493,12 +651,78 @@ pub fn check_vserver_placement(
 mod tests {
     use super::*;
 
-    fn t(metric: &str, min: f64, max: f64) -> ThresholdSpec {
-        ThresholdSpec {
+    fn t(metric: &str, min: f64, max: f64) -> policy::ThresholdSpec {
+        policy::ThresholdSpec {
             metric: metric.into(),
             min,
             max,
         }
+    }
+
+    /// The daemon's policy (from a group's typed settings) is the one that
+    /// `lbscale simulate` reads from the same values.
+    #[test]
+    fn a_groups_policy_is_the_one_simulate_reads() {
+        let d = |s: &str| DeclaredDuration::parse(s).unwrap();
+        let group = GroupSpec {
+            name: "web".into(),
+            cloud: CloudName::Local,
+            availability_zones: vec!["az1".into()],
+            traffic_distributor_id: "td-1".into(),
+            min_nodes: 1,
+            max_nodes: 3,
+            stats_interval: d("2s"),
+            watch_time: d("6s"),
+            cooldown: d("10s"),
+            drain_timeout: d("1m"),
+            thresholds: vec![ThresholdSpec {
+                metric: Metric::Cpu,
+                min: 10.0,
+                max: 80.0,
+            }],
+            node: None,
+            apply_timeout: d("5m"),
+        };
+        let distributor = DistributorSpec {
+            name: "d".into(),
+            cloud: CloudName::Local,
+            mode: DistributorMode::Dns,
+            domain: Some("app.example.com".into()),
+            ttl: d("5s"),
+        };
+        let (cfg, _) = policy::validate_policy(&group.policy_spec(Some(&distributor))).unwrap();
+        assert_eq!((cfg.stats_interval, cfg.watch_samples), (2_000, 3));
+        assert_eq!(
+            (cfg.cooldown, cfg.drain_timeout, cfg.dns_ttl),
+            (10_000, 60_000, 5_000)
+        );
+        let doc = serde_json::json!({"group": {
+            "availability_zones": ["az1"],
+            "min_nodes": 1, "max_nodes": 3, "stats_interval": "2s", "watch_time": "6s",
+            "cooldown": "10s", "drain_timeout": "1m", "distributor": "dns", "dns_ttl": "5s",
+            "thresholds": [{"metric": "cpu", "min": 10, "max": 80}],
+        }, "samples": [], "until": 1});
+        let input = lbscale_core::simulate::parse_input(&doc).unwrap();
+        assert_eq!(input.policy, cfg);
+    }
+
+    /// A stored spec keeps each duration as it was written, and a stored
+    /// setting that does not read is an error naming the value, not a default.
+    #[test]
+    fn typed_settings_round_trip_as_written() {
+        let json = r#"{"name":"d","cloud":"aws","mode":"nlb","domain":null,"ttl":"90s"}"#;
+        let spec: DistributorSpec = serde_json::from_str(json).unwrap();
+        assert_eq!(
+            (spec.cloud, spec.mode),
+            (CloudName::Aws, DistributorMode::Nlb)
+        );
+        assert_eq!(spec.ttl.get(), Duration::from_secs(90));
+        assert_eq!(serde_json::to_string(&spec).unwrap(), json);
+        let bad = json.replace("90s", "soon");
+        let e = serde_json::from_str::<DistributorSpec>(&bad).unwrap_err();
+        assert!(e.to_string().contains("\"soon\""), "{e}");
+        let bad = json.replace("aws", "oracle");
+        assert!(serde_json::from_str::<DistributorSpec>(&bad).is_err());
     }
 
     #[test]

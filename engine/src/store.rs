@@ -2050,13 +2050,14 @@ mod tests {
     });
 
     store_test!(names_are_unique_per_kind, |ts| {
+        use crate::model::{CloudName, DeclaredDuration, DistributorMode};
         let s = ts.open();
         let spec = DistributorSpec {
             name: "d".into(),
-            cloud: "local".into(),
-            mode: "dns".into(),
+            cloud: CloudName::Local,
+            mode: DistributorMode::Dns,
             domain: None,
-            ttl: "60s".into(),
+            ttl: DeclaredDuration::parse("60s").unwrap(),
         };
         s.insert_distributor("td-1", &spec).unwrap();
         let err = s.insert_distributor("td-2", &spec).unwrap_err();

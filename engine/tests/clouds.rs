@@ -3,7 +3,7 @@
 
 use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::cloud::{CloudError, Clouds};
-use lbscale_engine::model::DistributorSpec;
+use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec};
 use lbscale_engine::{Engine, EngineError};
 
 fn engine(test: &str, clouds: Clouds) -> Engine {
@@ -56,10 +56,10 @@ async fn a_distributor_on_an_unregistered_cloud_stores_nothing() {
     );
     let spec = DistributorSpec {
         name: "nowhere".into(),
-        cloud: "local".into(),
-        mode: "dns".into(),
+        cloud: CloudName::Local,
+        mode: DistributorMode::Dns,
         domain: Some("nowhere.lbscale.test".into()),
-        ttl: "1s".into(),
+        ttl: DeclaredDuration::parse("1s").unwrap(),
     };
     let err = e.create_distributor(&spec).await.unwrap_err();
     assert!(

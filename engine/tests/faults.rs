@@ -9,7 +9,9 @@
 use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::cloud::faulty::{Call, Fault, Faults};
 use lbscale_engine::cloud::Clouds;
-use lbscale_engine::model::{DistributorSpec, GroupSpec, ThresholdSpec};
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
+};
 use lbscale_engine::store::NodeState;
 use lbscale_engine::{Engine, EngineError};
 use std::collections::BTreeSet;
@@ -62,10 +64,10 @@ impl Stack {
         let distributor = engine
             .create_distributor(&DistributorSpec {
                 name: format!("{test}-d"),
-                cloud: "local".into(),
-                mode: "dns".into(),
+                cloud: CloudName::Local,
+                mode: DistributorMode::Dns,
                 domain: Some(format!("{test}.lbscale.test")),
-                ttl: "1s".into(),
+                ttl: DeclaredDuration::parse("1s").unwrap(),
             })
             .await
             .expect("create the distributor");
@@ -73,22 +75,22 @@ impl Stack {
         let group = engine
             .declare_group(&GroupSpec {
                 name: group_name.clone(),
-                cloud: "local".into(),
+                cloud: CloudName::Local,
                 availability_zones: vec!["az1".into()],
                 traffic_distributor_id: distributor.clone(),
                 min_nodes: 1,
                 max_nodes: 3,
-                stats_interval: "1s".into(),
-                watch_time: "2s".into(),
-                cooldown: "2s".into(),
-                drain_timeout: "1s".into(),
+                stats_interval: DeclaredDuration::parse("1s").unwrap(),
+                watch_time: DeclaredDuration::parse("2s").unwrap(),
+                cooldown: DeclaredDuration::parse("2s").unwrap(),
+                drain_timeout: DeclaredDuration::parse("1s").unwrap(),
                 thresholds: vec![ThresholdSpec {
-                    metric: "cpu".into(),
+                    metric: Metric::Cpu,
                     min: 10.0,
                     max: 70.0,
                 }],
                 node: None,
-                apply_timeout: "60s".into(),
+                apply_timeout: DeclaredDuration::parse("60s").unwrap(),
             })
             .expect("declare the group");
         faults.forget_log();
@@ -575,10 +577,10 @@ async fn a_distributor_whose_first_publication_fails_can_be_created_again() {
     s.faults.inject(Call::Publish, Fault::Refuse, 4);
     let spec = DistributorSpec {
         name: "flt-create-down-2".into(),
-        cloud: "local".into(),
-        mode: "dns".into(),
+        cloud: CloudName::Local,
+        mode: DistributorMode::Dns,
         domain: Some("again.lbscale.test".into()),
-        ttl: "1s".into(),
+        ttl: DeclaredDuration::parse("1s").unwrap(),
     };
     s.engine.create_distributor(&spec).await.unwrap_err();
     let id = s

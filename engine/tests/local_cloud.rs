@@ -27,7 +27,7 @@ fn node_binary() -> PathBuf {
 /// that two never interleave their read-modify-write of its configuration.
 #[tokio::test(flavor = "multi_thread")]
 async fn publications_to_one_distributor_take_turns_across_processes() {
-    use lbscale_engine::model::DistributorSpec;
+    use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec};
     use lbscale_engine::reconcile::Engine;
     use lbscale_engine::store::distributor_lease_key;
     use std::time::Duration;
@@ -45,10 +45,10 @@ async fn publications_to_one_distributor_take_turns_across_processes() {
     let engine = Arc::new(Engine::open(&url, &dir, clouds).unwrap());
     let spec = DistributorSpec {
         name: "turns".into(),
-        cloud: "local".into(),
-        mode: "dns".into(),
+        cloud: CloudName::Local,
+        mode: DistributorMode::Dns,
         domain: Some("turns.lbscale.test".into()),
-        ttl: "5s".into(),
+        ttl: DeclaredDuration::parse("5s").unwrap(),
     };
     let id = engine.create_distributor(&spec).await.unwrap();
     // Another process on the same store: its own handle and holder name.

@@ -6,7 +6,7 @@
 //! `lbscale_engine::store_testing`).
 
 use lbscale_core::policy::{AzState, Phase};
-use lbscale_engine::model::GroupSpec;
+use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, GroupSpec};
 use lbscale_engine::store::{az_lease_key, daemon_claim_key, Store, StoreError, SCHEMA_VERSION};
 use lbscale_engine::store_test;
 use std::time::Duration;
@@ -14,18 +14,18 @@ use std::time::Duration;
 fn group(s: &Store, id: &str) {
     let spec = GroupSpec {
         name: format!("{id}-name"),
-        cloud: "local".into(),
+        cloud: CloudName::Local,
         availability_zones: vec!["az1".into(), "az2".into()],
         traffic_distributor_id: "td-1".into(),
         min_nodes: 1,
         max_nodes: 3,
-        stats_interval: "1s".into(),
-        watch_time: "2s".into(),
-        cooldown: "20s".into(),
-        drain_timeout: "2s".into(),
+        stats_interval: DeclaredDuration::parse("1s").unwrap(),
+        watch_time: DeclaredDuration::parse("2s").unwrap(),
+        cooldown: DeclaredDuration::parse("20s").unwrap(),
+        drain_timeout: DeclaredDuration::parse("2s").unwrap(),
         thresholds: vec![],
         node: None,
-        apply_timeout: "5m".into(),
+        apply_timeout: DeclaredDuration::parse("5m").unwrap(),
     };
     s.insert_group(id, &spec, "token").unwrap();
 }
@@ -303,10 +303,10 @@ store_test!(
         // the version of every group behind it.
         let d = lbscale_engine::model::DistributorSpec {
             name: "td".into(),
-            cloud: "local".into(),
-            mode: "dns".into(),
+            cloud: CloudName::Local,
+            mode: DistributorMode::Dns,
             domain: Some("x.lbscale.test".into()),
-            ttl: "5s".into(),
+            ttl: DeclaredDuration::parse("5s").unwrap(),
         };
         s.insert_distributor("td-1", &d).unwrap();
         s.update_distributor("td-1", &d).unwrap();

@@ -35,7 +35,7 @@ use credentials::{AssumeRole, EnvVars};
 use lbscale_engine::cloud::{
     Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
 };
-use lbscale_engine::model::DistributorSpec;
+use lbscale_engine::model::{DistributorMode, DistributorSpec};
 use lbscale_engine::store::NodeRow;
 use serde::{Deserialize, Serialize};
 use sigv4::Credentials;
@@ -845,7 +845,7 @@ impl AwsCloud {
 #[async_trait::async_trait]
 impl Distributor for AwsCloud {
     async fn ensure(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
-        if spec.mode == "nlb" {
+        if spec.mode == DistributorMode::Nlb {
             // The load balancer is made at the first publication with a port:
             // it needs the AZs of the groups, and it costs while it exists.
             return Ok(());
@@ -919,15 +919,13 @@ impl Distributor for AwsCloud {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()> {
-        if spec.mode == "nlb" {
+        if spec.mode == DistributorMode::Nlb {
             return self.publish_nlb(id, publication).await;
         }
         self.ensure(id, spec).await?;
         let zone = self.runtime_checked(id)?.zone_id.unwrap_or_default();
         let domain = spec.domain.clone().unwrap_or_default();
-        let ttl = lbscale_core::duration::parse_duration(&spec.ttl)
-            .map(|d| d.as_secs())
-            .unwrap_or(60);
+        let ttl = spec.ttl.get().as_secs();
         let mut addresses: Vec<String> =
             publication.endpoints.values().flatten().cloned().collect();
         addresses.sort();
@@ -981,7 +979,7 @@ impl Distributor for AwsCloud {
         let Some(spec) = self.store.distributor(id)? else {
             return Ok(());
         };
-        if spec.mode == "nlb" {
+        if spec.mode == DistributorMode::Nlb {
             return self.remove_nlb(id).await;
         }
         let rt = self.runtime_checked(id)?;
@@ -994,7 +992,7 @@ impl Distributor for AwsCloud {
     }
 
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String> {
-        if spec.mode == "nlb" {
+        if spec.mode == DistributorMode::Nlb {
             return self.runtime(id).nlb_addresses;
         }
         self.runtime(id)

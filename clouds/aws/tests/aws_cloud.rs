@@ -5,7 +5,7 @@
 use lbscale_cloud_aws::moto_testing::{moto, unique, Moto};
 use lbscale_cloud_aws::{AwsCloud, AwsSettings, NODE_API_PORT};
 use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, Publication};
-use lbscale_engine::model::DistributorSpec;
+use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec};
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use serde_json::Value;
 use std::sync::Arc;
@@ -244,10 +244,10 @@ async fn errors_name_the_call_and_the_missing_setting() {
 fn dns_spec(domain: &str) -> DistributorSpec {
     DistributorSpec {
         name: format!("d-{domain}"),
-        cloud: "aws".into(),
-        mode: "dns".into(),
+        cloud: CloudName::Aws,
+        mode: DistributorMode::Dns,
         domain: Some(domain.into()),
-        ttl: "30s".into(),
+        ttl: DeclaredDuration::parse("30s").unwrap(),
     }
 }
 
@@ -444,10 +444,10 @@ async fn an_nlb_distributor_is_a_network_load_balancer_with_a_listener_per_port(
     let id = format!("td-{:08x}", std::process::id() ^ 0x5a5a_0000);
     let spec = DistributorSpec {
         name: unique("nlb"),
-        cloud: "aws".into(),
-        mode: "nlb".into(),
+        cloud: CloudName::Aws,
+        mode: DistributorMode::Nlb,
         domain: None,
-        ttl: "60s".into(),
+        ttl: DeclaredDuration::parse("60s").unwrap(),
     };
     store.insert_distributor(&id, &spec).unwrap();
     let lb_name = format!("lbscale-{id}");

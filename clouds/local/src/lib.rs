@@ -13,7 +13,7 @@ use lbscale_engine::cloud::{
     Balance, Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned,
     Publication, Result,
 };
-use lbscale_engine::model::DistributorSpec;
+use lbscale_engine::model::{DistributorMode, DistributorSpec};
 use lbscale_engine::store::NodeRow;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -337,8 +337,8 @@ impl Distributor for LocalCloud {
             write_atomic(&config, &empty_config(spec)).map_err(|e| fail("write", &config, e))?;
         }
         let _ = std::fs::remove_file(&status);
-        let mut args: Vec<String> = vec![spec.mode.clone()];
-        if spec.mode == "dns" {
+        let mut args: Vec<String> = vec![spec.mode.as_str().to_string()];
+        if spec.mode == DistributorMode::Dns {
             let port = self.settings.dns_port;
             let addr = match rt.address.clone() {
                 Some(a) => a,
@@ -379,10 +379,8 @@ impl Distributor for LocalCloud {
         self.ensure(id, spec).await?;
         let mut rt = self.runtime(id);
         rt.version += 1;
-        let config = if spec.mode == "dns" {
-            let ttl = lbscale_core::duration::parse_duration(&spec.ttl)
-                .map(|d| d.as_secs())
-                .unwrap_or(60);
+        let config = if spec.mode == DistributorMode::Dns {
+            let ttl = spec.ttl.get().as_secs();
             let addresses: Vec<&String> = publication.endpoints.values().flatten().collect();
             serde_json::json!({
                 "version": rt.version,
@@ -451,7 +449,7 @@ impl Distributor for LocalCloud {
 
     fn addresses(&self, id: &str, spec: &DistributorSpec) -> BTreeMap<String, String> {
         let rt = self.runtime(id);
-        if spec.mode == "dns" {
+        if spec.mode == DistributorMode::Dns {
             rt.address
                 .map(|a| ("dns".to_string(), format!("{a}:{}", rt.dns_port)))
                 .into_iter()
@@ -463,7 +461,7 @@ impl Distributor for LocalCloud {
 }
 
 fn empty_config(spec: &DistributorSpec) -> Vec<u8> {
-    if spec.mode == "dns" {
+    if spec.mode == DistributorMode::Dns {
         br#"{"version":0,"zones":[]}"#.to_vec()
     } else {
         br#"{"version":0,"listeners":[]}"#.to_vec()

@@ -3,7 +3,7 @@
 
 use super::{new_id, Engine, EngineError, Result};
 use crate::cloud::{Distributor, Publication};
-use crate::model::{DistributorSpec, GroupSpec};
+use crate::model::{CloudName, DistributorMode, DistributorSpec, GroupSpec};
 use crate::store::{distributor_lease_key, NodeRow, Row};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -22,12 +22,12 @@ pub struct DistributorView {
 const PUBLISH_LEASE_WAIT: Duration = Duration::from_secs(300);
 
 impl Engine {
-    fn distributor_driver(&self, cloud: &str) -> Result<&dyn Distributor> {
-        Ok(self.clouds.distributors(cloud)?)
+    fn distributor_driver(&self, cloud: CloudName) -> Result<&dyn Distributor> {
+        Ok(self.clouds.distributors(cloud.as_str())?)
     }
 
     pub async fn create_distributor(&self, spec: &DistributorSpec) -> Result<String> {
-        let driver = self.distributor_driver(&spec.cloud)?;
+        let driver = self.distributor_driver(spec.cloud)?;
         let id = new_id("td");
         self.store.insert_distributor(&id, spec)?;
         driver.publish(&id, spec, &Publication::default()).await?;
@@ -63,7 +63,7 @@ impl Engine {
                 Instant::now() + PUBLISH_LEASE_WAIT,
             )
             .await?;
-        self.distributor_driver(&row.spec.cloud)?.remove(id).await?;
+        self.distributor_driver(row.spec.cloud)?.remove(id).await?;
         // Deletes the lease row too.
         self.store.delete_distributor(id)?;
         drop(turn);
@@ -79,7 +79,7 @@ impl Engine {
         let Some(row) = self.store.distributor(id)? else {
             return Ok(None);
         };
-        let driver = self.distributor_driver(&row.spec.cloud)?;
+        let driver = self.distributor_driver(row.spec.cloud)?;
         let publication = self.publication(id)?;
         Ok(Some(DistributorView {
             endpoints: publication.endpoints.values().flatten().cloned().collect(),
@@ -99,7 +99,7 @@ impl Engine {
         let dns = self
             .store
             .distributor(distributor_id)?
-            .is_some_and(|d| d.spec.mode == "dns");
+            .is_some_and(|d| d.spec.mode == DistributorMode::Dns);
         for g in self.store.groups_of_distributor(distributor_id)? {
             let mut ports: Vec<u16> = self
                 .store
@@ -201,7 +201,7 @@ impl Engine {
             return Ok(());
         };
         let publication = self.publication(distributor_id)?;
-        self.distributor_driver(&row.spec.cloud)?
+        self.distributor_driver(row.spec.cloud)?
             .publish(distributor_id, &row.spec, &publication)
             .await
             .map_err(|e| EngineError::Step {

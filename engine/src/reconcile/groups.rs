@@ -7,7 +7,6 @@ use crate::cloud::Cloud;
 use crate::model::{Finding, Findings, GroupSpec, PathStep};
 use crate::store::{NodeRow, NodeState, Row};
 use lbscale_core::apply;
-use lbscale_core::duration::parse_duration;
 use std::time::{Duration, Instant};
 
 /// One node as Terraform and the CLI show it: its stored row with the state that
@@ -75,7 +74,7 @@ impl Engine {
                 vec![PathStep::Attr("cloud")],
                 "Cloud mismatch",
                 format!(
-                    "cloud must equal the traffic distributor's cloud ({:?}), got {:?}.",
+                    "cloud must equal the traffic distributor's cloud (\"{}\"), got \"{}\".",
                     d.spec.cloud, spec.cloud
                 ),
             )),
@@ -90,7 +89,7 @@ impl Engine {
     /// or destroyed) rather than orphaned.
     pub fn declare_group(&self, spec: &GroupSpec) -> Result<String> {
         Self::reject(self.check_group(spec)?)?;
-        self.cloud(&spec.cloud)?;
+        self.cloud(spec.cloud)?;
         let id = new_id("asg");
         self.store.insert_group(&id, spec, &new_token())?;
         self.store
@@ -148,7 +147,7 @@ impl Engine {
         let Some(row) = self.store.group(id)? else {
             return Ok(None);
         };
-        let cloud = self.cloud(&row.spec.cloud)?;
+        let cloud = self.cloud(row.spec.cloud)?;
         let rows = self.store.nodes_of_group(id)?;
         let alive = cloud
             .alive(&rows)
@@ -181,12 +180,7 @@ impl Engine {
 
     pub(crate) fn ttl_of(&self, spec: &GroupSpec) -> Result<Duration> {
         let d = self.store.distributor(&spec.traffic_distributor_id)?;
-        Ok(match d {
-            Some(d) if d.spec.mode == "dns" => {
-                parse_duration(&d.spec.ttl).unwrap_or(Duration::from_secs(60))
-            }
-            _ => Duration::ZERO,
-        })
+        Ok(d.map_or(Duration::ZERO, |d| d.spec.answer_ttl()))
     }
 
     /// Brings the group to its declared shape, bounded by `apply_timeout`:
@@ -221,7 +215,7 @@ impl Engine {
         lease: &KeptLease,
     ) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
-        let cloud = self.cloud(&spec.cloud)?;
+        let cloud = self.cloud(spec.cloud)?;
         let token = self
             .store
             .group_token(id)?

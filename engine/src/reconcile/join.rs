@@ -379,7 +379,7 @@ impl Engine {
         let deadline = Instant::now() + per_node * (old.len() as u32).max(1);
         let lease = self.lease(group_id, deadline).await?;
         let out = async {
-            let cloud = self.cloud(&group.spec.cloud)?;
+            let cloud = self.cloud(group.spec.cloud)?;
             let token = self.store.group_token(group_id)?.unwrap_or_default();
             let config = self.node_config(group_id, self.store.config_version(group_id)?)?;
             self.store.record_event(

@@ -35,7 +35,7 @@ pub use leases::{KeptLease, WORKFLOW_LEASE_TTL};
 pub use spans::SpanView;
 
 use crate::cloud::{Cloud, CloudError, Clouds, DriverStore, Registry};
-use crate::model::{Finding, Findings};
+use crate::model::{CloudName, Finding, Findings};
 use crate::store::{Store, StoreError};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -124,8 +124,8 @@ impl Engine {
         &self.store
     }
 
-    pub(crate) fn cloud(&self, name: &str) -> Result<&dyn Cloud> {
-        Ok(self.clouds.nodes(name)?)
+    pub(crate) fn cloud(&self, name: CloudName) -> Result<&dyn Cloud> {
+        Ok(self.clouds.nodes(name.as_str())?)
     }
 
     fn reject(findings: Findings) -> Result<()> {

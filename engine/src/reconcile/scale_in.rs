@@ -74,7 +74,7 @@ impl Engine {
             return Ok(());
         }
         let spec = &group.spec;
-        let cloud = self.cloud(&spec.cloud)?;
+        let cloud = self.cloud(spec.cloud)?;
         let token = self.store.group_token(&group.id)?.unwrap_or_default();
         let mut nodes = nodes;
         self.deregister(&group.id, &mut nodes, reason, lease)?;

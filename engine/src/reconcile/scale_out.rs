@@ -52,7 +52,7 @@ impl Engine {
                 .filter(|n| n.az != az)
                 .map(|n| n.id)
                 .collect();
-            let cloud = self.cloud(&group.spec.cloud)?;
+            let cloud = self.cloud(group.spec.cloud)?;
             self.push_configs(cloud, &group, &token, &other_azs, deadline, &lease)
                 .await?;
             lease.check()?;
@@ -81,7 +81,7 @@ impl Engine {
         why: &str,
     ) -> Result<NodeRow> {
         let (id, spec) = (&group.id, &group.spec);
-        let cloud = self.cloud(&spec.cloud)?;
+        let cloud = self.cloud(spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
         let node_id = format!("{}-{}-{}-{:04x}", spec.name, az, seq, rand::random::<u16>());
         // The row exists before the side effect, so that a crash never forgets a node.

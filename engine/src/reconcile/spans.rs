@@ -2,10 +2,9 @@
 //! `nlb` (primary and secondaries), and how many nodes hold it.
 
 use super::{Engine, Result};
-use crate::model::{GroupSpec, SeGroupSpec};
+use crate::model::{DistributorMode, GroupSpec, SeGroupSpec};
 use crate::placement;
 use crate::store::{NodeRow, Row};
-use lbscale_core::duration::parse_duration;
 use lbscale_core::seplan::ScalingMode;
 use std::collections::BTreeMap;
 
@@ -52,9 +51,7 @@ impl Engine {
                     mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
                     span: self.span_of(&v.id, az, se)?,
                     forwarding_cost: se.primary_forwarding_cost,
-                    scalein_timeout_ms: parse_duration(&se.vs_scalein_timeout)
-                        .map(|d| d.as_millis() as u64)
-                        .unwrap_or(lbscale_core::seplan::DEFAULT_VS_SCALEIN_TIMEOUT),
+                    scalein_timeout_ms: se.vs_scalein_timeout.get().as_millis() as u64,
                 };
                 let mut in_az: Vec<&&NodeRow> = nodes.iter().filter(|n| &n.az == az).collect();
                 in_az.sort_by_key(|n| n.seq);
@@ -74,7 +71,7 @@ impl Engine {
         Ok(self
             .store
             .distributor(&group.traffic_distributor_id)?
-            .is_some_and(|d| d.spec.mode == "nlb"))
+            .is_some_and(|d| d.spec.mode == DistributorMode::Nlb))
     }
 
     /// How many nodes of `az` hold the vserver: as the daemon sized it, else

@@ -2,7 +2,9 @@
 //! clients reach them.
 
 use super::{new_id, Engine, EngineError, Result};
-use crate::model::{check_vserver_placement, Finding, Findings, PathStep, VserverSpec};
+use crate::model::{
+    check_vserver_placement, DistributorMode, Finding, Findings, PathStep, VserverSpec,
+};
 use crate::store::Row;
 use std::collections::BTreeMap;
 
@@ -34,7 +36,7 @@ impl Engine {
                     &mut f,
                     &spec.service_type,
                     &spec.persistence,
-                    &d.spec.mode,
+                    d.spec.mode.as_str(),
                     g.spec.availability_zones.len(),
                 );
             }
@@ -115,7 +117,7 @@ impl Engine {
             return Ok(out);
         };
         for az in &g.spec.availability_zones {
-            let host = if d.spec.mode == "dns" {
+            let host = if d.spec.mode == DistributorMode::Dns {
                 d.spec.domain.clone().unwrap_or_default()
             } else {
                 match d.address.get(az) {

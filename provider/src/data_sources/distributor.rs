@@ -98,10 +98,10 @@ impl DataSource for DistributorDataSource {
         Some(State {
             name: Value::Value(name),
             id: Value::Value(view.id),
-            cloud: Value::Value(view.spec.cloud),
-            mode: Value::Value(view.spec.mode),
+            cloud: Value::Value(view.spec.cloud.to_string()),
+            mode: Value::Value(view.spec.mode.to_string()),
             domain: view.spec.domain.into(),
-            ttl: Value::Value(view.spec.ttl),
+            ttl: Value::Value(view.spec.ttl.to_string()),
             address: Value::Value(view.address),
             endpoints: Value::Value(view.endpoints),
         })

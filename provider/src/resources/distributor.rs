@@ -111,14 +111,19 @@ impl ManagedObject for Distributor {
         string(&state.id)
     }
 
-    fn spec_of(s: &State) -> DistributorSpec {
-        DistributorSpec {
-            name: string(&s.name),
-            cloud: string(&s.cloud),
-            mode: string(&s.mode),
-            domain: known(&s.domain).cloned(),
-            ttl: known(&s.ttl).cloned().unwrap_or_else(|| DEFAULT_TTL.into()),
-        }
+    fn spec_of(s: &State) -> Result<DistributorSpec, Findings> {
+        let mut f = Findings::default();
+        let spec = (|| {
+            Some(DistributorSpec {
+                name: string(&s.name),
+                cloud: f.cloud(&string(&s.cloud))?,
+                mode: f.distributor_mode(&string(&s.mode))?,
+                domain: known(&s.domain).cloned(),
+                ttl: f
+                    .declared_duration("ttl", known(&s.ttl).map_or(DEFAULT_TTL, String::as_str))?,
+            })
+        })();
+        spec.ok_or(f)
     }
 
     fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
@@ -168,10 +173,10 @@ impl ManagedObject for Distributor {
         Ok(engine.distributor_view(id)?.map(|v| State {
             id: Value::Value(v.id),
             name: Value::Value(v.spec.name),
-            cloud: Value::Value(v.spec.cloud),
-            mode: Value::Value(v.spec.mode),
+            cloud: Value::Value(v.spec.cloud.to_string()),
+            mode: Value::Value(v.spec.mode.to_string()),
             domain: v.spec.domain.into(),
-            ttl: Value::Value(v.spec.ttl),
+            ttl: Value::Value(v.spec.ttl.to_string()),
             endpoints: Value::Value(v.endpoints),
             address: Value::Value(v.address),
         }))

@@ -9,7 +9,8 @@ use super::check_cloud_usable;
 use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
-use lbscale_engine::model::{Findings, GroupSpec, NodeSizeSpec, PathStep, ThresholdSpec, CLOUDS};
+use lbscale_core::policy;
+use lbscale_engine::model::{Findings, GroupSpec, NodeSizeSpec, PathStep, CLOUDS};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
@@ -116,21 +117,21 @@ fn state_of(v: &GroupView) -> State {
     State {
         id: Value::Value(v.id.clone()),
         name: Value::Value(s.name.clone()),
-        cloud: Value::Value(s.cloud.clone()),
+        cloud: Value::Value(s.cloud.to_string()),
         availability_zones: Value::Value(s.availability_zones.clone()),
         traffic_distributor_id: Value::Value(s.traffic_distributor_id.clone()),
         min_nodes: Value::Value(s.min_nodes.into()),
         max_nodes: Value::Value(s.max_nodes.into()),
-        stats_interval: Value::Value(s.stats_interval.clone()),
-        watch_time: Value::Value(s.watch_time.clone()),
-        cooldown: Value::Value(s.cooldown.clone()),
-        drain_timeout: Value::Value(s.drain_timeout.clone()),
-        apply_timeout: Value::Value(s.apply_timeout.clone()),
+        stats_interval: Value::Value(s.stats_interval.to_string()),
+        watch_time: Value::Value(s.watch_time.to_string()),
+        cooldown: Value::Value(s.cooldown.to_string()),
+        drain_timeout: Value::Value(s.drain_timeout.to_string()),
+        apply_timeout: Value::Value(s.apply_timeout.to_string()),
         threshold: Value::Value(
             s.thresholds
                 .iter()
                 .map(|t| ThresholdBlock {
-                    metric: Value::Value(t.metric.clone()),
+                    metric: Value::Value(t.metric.name().to_string()),
                     min: Value::Value(Number(t.min)),
                     max: Value::Value(Number(t.max)),
                 })
@@ -190,7 +191,8 @@ fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) ->
         return Some(());
     }
     plan_check(engine, diags, "check autoscale group", |e| {
-        e.check_group(&Group::spec_of(s))
+        // A value that does not read yet is validation's to report.
+        Group::spec_of(s).map_or_else(|_| Ok(Findings::default()), |spec| e.check_group(&spec))
     })
 }
 
@@ -290,10 +292,10 @@ impl ManagedObject for Group {
         }
         if let Some(ts) = known(&s.threshold) {
             // Checked only once every value of every block is known.
-            let all: Option<Vec<ThresholdSpec>> = ts
+            let all: Option<Vec<policy::ThresholdSpec>> = ts
                 .iter()
                 .map(|t| {
-                    Some(ThresholdSpec {
+                    Some(policy::ThresholdSpec {
                         metric: known(&t.metric)?.clone(),
                         min: known(&t.min)?.0,
                         max: known(&t.max)?.0,
@@ -335,36 +337,43 @@ impl ManagedObject for Group {
         string(&state.id)
     }
 
-    fn spec_of(s: &State) -> GroupSpec {
-        GroupSpec {
-            name: string(&s.name),
-            cloud: string(&s.cloud),
-            availability_zones: known(&s.availability_zones).cloned().unwrap_or_default(),
-            traffic_distributor_id: string(&s.traffic_distributor_id),
-            min_nodes: int(&s.min_nodes).unwrap_or(Defaults::MIN_NODES),
-            max_nodes: int(&s.max_nodes).unwrap_or(Defaults::MAX_NODES),
-            stats_interval: string(&s.stats_interval),
-            watch_time: string(&s.watch_time),
-            cooldown: string(&s.cooldown),
-            drain_timeout: string(&s.drain_timeout),
-            apply_timeout: string(&s.apply_timeout),
-            thresholds: known(&s.threshold)
+    fn spec_of(s: &State) -> Result<GroupSpec, Findings> {
+        let mut f = Findings::default();
+        let spec = (|| {
+            let declared: Vec<policy::ThresholdSpec> = known(&s.threshold)
                 .map(|ts| {
                     ts.iter()
-                        .map(|t| ThresholdSpec {
+                        .map(|t| policy::ThresholdSpec {
                             metric: string(&t.metric),
                             min: known(&t.min).copied().unwrap_or_default().0,
                             max: known(&t.max).copied().unwrap_or_default().0,
                         })
                         .collect()
                 })
-                .unwrap_or_default(),
-            node: known(&s.node)
-                .and_then(|n| n.first())
-                .map(|n| NodeSizeSpec {
-                    memory_limit_mb: int(&n.memory_limit_mb).unwrap_or(Defaults::MEMORY_LIMIT_MB),
-                }),
-        }
+                .unwrap_or_default();
+            Some(GroupSpec {
+                name: string(&s.name),
+                cloud: f.cloud(&string(&s.cloud))?,
+                availability_zones: known(&s.availability_zones).cloned().unwrap_or_default(),
+                traffic_distributor_id: string(&s.traffic_distributor_id),
+                min_nodes: int(&s.min_nodes).unwrap_or(Defaults::MIN_NODES),
+                max_nodes: int(&s.max_nodes).unwrap_or(Defaults::MAX_NODES),
+                stats_interval: f
+                    .declared_duration("stats_interval", &string(&s.stats_interval))?,
+                watch_time: f.declared_duration("watch_time", &string(&s.watch_time))?,
+                cooldown: f.declared_duration("cooldown", &string(&s.cooldown))?,
+                drain_timeout: f.declared_duration("drain_timeout", &string(&s.drain_timeout))?,
+                apply_timeout: f.declared_duration("apply_timeout", &string(&s.apply_timeout))?,
+                thresholds: f.typed_thresholds(&declared)?,
+                node: known(&s.node)
+                    .and_then(|n| n.first())
+                    .map(|n| NodeSizeSpec {
+                        memory_limit_mb: int(&n.memory_limit_mb)
+                            .unwrap_or(Defaults::MEMORY_LIMIT_MB),
+                    }),
+            })
+        })();
+        spec.ok_or(f)
     }
 
     fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {

@@ -29,7 +29,9 @@ pub trait ManagedObject: Send + Sync + 'static {
     /// The checks that need nothing but the configuration.
     fn validate(config: &Self::State) -> Findings;
     fn id(state: &Self::State) -> String;
-    fn spec_of(state: &Self::State) -> Self::Spec;
+    /// The typed spec of a planned state; `Err` names the attribute that does
+    /// not read (which validation refuses earlier, once the value is known).
+    fn spec_of(state: &Self::State) -> Result<Self::Spec, Findings>;
 
     /// Plans a new object in place: defaults, plan-time checks, and the computed
     /// attributes that only the apply knows (at least `id`) set unknown.
@@ -105,6 +107,17 @@ impl<T: ManagedObject> Managed<T> {
             T::keep_from(last, now);
         }
         Some(now)
+    }
+}
+
+/// The spec, or its findings reported.
+fn spec_or_report<S>(diags: &mut Diagnostics, spec: Result<S, Findings>) -> Option<S> {
+    match spec {
+        Ok(spec) => Some(spec),
+        Err(findings) => {
+            report(diags, findings);
+            None
+        }
     }
 }
 
@@ -205,7 +218,8 @@ impl<T: ManagedObject> Resource for Managed<T> {
         };
         let engine = engine(&self.engine, diags)?;
         let what = format!("create {}", T::KIND);
-        let id = done(diags, &what, T::create(&engine, &T::spec_of(s)).await)?;
+        let spec = spec_or_report(diags, T::spec_of(s))?;
+        let id = done(diags, &what, T::create(&engine, &spec).await)?;
         let brought_up = T::bring_up(&engine, &id).await;
         let state = self.observe(diags, &id).await?;
         if let Err(e) = brought_up {
@@ -232,10 +246,11 @@ impl<T: ManagedObject> Resource for Managed<T> {
         };
         let engine = engine(&self.engine, diags)?;
         let id = T::id(prior);
+        let spec = spec_or_report(diags, T::spec_of(s))?;
         done(
             diags,
             &format!("update {}", T::KIND),
-            T::update(&engine, &id, &T::spec_of(s)).await,
+            T::update(&engine, &id, &spec).await,
         )?;
         Some((self.observe_after(diags, &id, s).await?, p))
     }

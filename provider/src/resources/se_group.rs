@@ -40,7 +40,8 @@ fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) ->
         return Some(());
     }
     plan_check(engine, diags, "check SE group", |e| {
-        e.check_se_group(&SeGroup::spec_of(s))
+        // A value that does not read yet is validation's to report.
+        SeGroup::spec_of(s).map_or_else(|_| Ok(Findings::default()), |spec| e.check_se_group(&spec))
     })
 }
 
@@ -146,17 +147,23 @@ impl ManagedObject for SeGroup {
         string(&state.id)
     }
 
-    fn spec_of(s: &State) -> SeGroupSpec {
-        SeGroupSpec {
+    fn spec_of(s: &State) -> Result<SeGroupSpec, Findings> {
+        let mut f = Findings::default();
+        let vs_scalein_timeout =
+            f.declared_duration("vs_scalein_timeout", &string(&s.vs_scalein_timeout));
+        let Some(vs_scalein_timeout) = vs_scalein_timeout else {
+            return Err(f);
+        };
+        Ok(SeGroupSpec {
             name: string(&s.name),
             autoscale_group_id: string(&s.autoscale_group_id),
             scaling_mode: string(&s.scaling_mode),
             min_scaleout_per_vs: int(&s.min_scaleout_per_vs).unwrap_or(1),
             max_scaleout_per_vs: int(&s.max_scaleout_per_vs).unwrap_or(4),
-            vs_scalein_timeout: string(&s.vs_scalein_timeout),
+            vs_scalein_timeout,
             se_tunnel_mode: int(&s.se_tunnel_mode).unwrap_or(0),
             primary_forwarding_cost: known(&s.primary_forwarding_cost).map_or(0.3, |n| n.0),
-        }
+        })
     }
 
     fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
@@ -194,7 +201,7 @@ impl ManagedObject for SeGroup {
             scaling_mode: Value::Value(r.spec.scaling_mode),
             min_scaleout_per_vs: Value::Value(r.spec.min_scaleout_per_vs.into()),
             max_scaleout_per_vs: Value::Value(r.spec.max_scaleout_per_vs.into()),
-            vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout),
+            vs_scalein_timeout: Value::Value(r.spec.vs_scalein_timeout.to_string()),
             se_tunnel_mode: Value::Value(r.spec.se_tunnel_mode.into()),
             primary_forwarding_cost: Value::Value(Number(r.spec.primary_forwarding_cost)),
         }))

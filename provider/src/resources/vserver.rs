@@ -150,7 +150,7 @@ fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) ->
         return Some(());
     }
     plan_check(engine, diags, "check vserver", |e| {
-        e.check_vserver(&Vserver::spec_of(s))
+        Vserver::spec_of(s).map_or_else(Ok, |spec| e.check_vserver(&spec))
     })
 }
 
@@ -345,8 +345,8 @@ impl ManagedObject for Vserver {
         string(&state.id)
     }
 
-    fn spec_of(s: &State) -> VserverSpec {
-        VserverSpec {
+    fn spec_of(s: &State) -> Result<VserverSpec, Findings> {
+        Ok(VserverSpec {
             name: string(&s.name),
             se_group_id: string(&s.se_group_id),
             service_type: string(&s.service_type),
@@ -377,7 +377,7 @@ impl ManagedObject for Vserver {
                 }),
             max_connections: int(&s.max_connections).unwrap_or(DEFAULT_MAX_CONNECTIONS),
             udp_health_request: string(&s.udp_health_request),
-        }
+        })
     }
 
     fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
