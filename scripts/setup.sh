@@ -9,6 +9,7 @@
 #     distributor and the vservers with real clients;
 #   - systemd-analyze (systemd; it need not be running): the daemon's unit in
 #     examples/systemd is checked with it;
+#   - faketime (libfaketime): a test runs a daemon whose clock is 30 s fast;
 #   - Terraform 1.0.3, into .tools/bin (scripts/install-terraform.sh).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,6 +18,7 @@ cd "$root"
 need=()
 command -v dig >/dev/null 2>&1 || need+=(dnsutils)
 command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v faketime >/dev/null 2>&1 || need+=(faketime) # tests/acceptance/tests/daemon_clock_skew.rs
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd) # systemd-analyze, systemd-sysusers: cli/tests/daemon_reference.rs checks examples/systemd
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]} (apt)" >&2
