@@ -72,6 +72,19 @@ fn moto_session(moto: &Moto, role: &str, session: &str) -> (String, String, Stri
     (t("AccessKeyId"), t("SecretAccessKey"), t("SessionToken"))
 }
 
+/// The external IDs that moto's STS was given for role sessions named
+/// `session`.
+fn external_ids(moto: &Moto, session: &str) -> Vec<String> {
+    moto.state()["sts"]["AssumedRole"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|r| r["session_name"] == session)
+        .map(|r| r["external_id"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
 /// A node EC2 does not know: `is_alive` makes a real `DescribeInstances`.
 fn unknown_node() -> NodeRow {
     NodeRow {
@@ -396,6 +409,7 @@ async fn a_profile_assumes_its_role_over_its_source_profile_and_gives_its_region
         cloud.caller_identity().await.unwrap(),
         session_arn("app", &session)
     );
+    assert_eq!(external_ids(&moto, &session), ["lbscale-ext-1"]);
     assert!(
         cloud.credential_source().contains("profile \"app\""),
         "{}",
@@ -415,6 +429,7 @@ async fn a_profile_assumes_its_role_over_its_source_profile_and_gives_its_region
         cloud.caller_identity().await.unwrap(),
         session_arn("deploy", &top)
     );
+    assert_eq!(external_ids(&moto, &top), ["lbscale-ext-2"]);
 
     // A named profile that is not there is an error, not the next source.
     let e = AwsCloud::new(chain_settings(&moto, files("nobody")), store("profile3"))
@@ -462,6 +477,8 @@ async fn the_providers_assume_role_and_web_identity_go_through_sts() {
         session_arn("lbscale-fleet", &session)
     );
     assert!(!cloud.is_alive(&unknown_node()).await.unwrap());
+    // One AssumeRole for both calls: the role's credentials are kept.
+    assert_eq!(external_ids(&moto, &session), ["lbscale-ext"]);
 
     // A bad role is refused when the driver is made, by field.
     let settings = AwsSettings {
