@@ -239,6 +239,7 @@ pub async fn evaluate(
     if resume(shared, rt, row, now).await? {
         return Ok(Next::Requeue(interval));
     }
+    settle_publication(shared, row, interval).await?;
     let Some(seen) = observe(shared, rt, row).await? else {
         return Ok(Next::Requeue(interval)); // gone meanwhile
     };
@@ -345,6 +346,31 @@ fn take_turn(
             Ok(None)
         }
     }
+}
+
+/// Publication is level-triggered (docs/design.md, section 3): once per stats
+/// interval per distributor, what it serves (as its driver confirmed) is
+/// compared with what the store says it must hand out, and published again
+/// when they differ, so a publication that failed (a throttled or unwritable
+/// distributor) is retried, with the group's error back-off, until it holds.
+async fn settle_publication(
+    shared: &Shared,
+    row: &Row<GroupSpec>,
+    interval: Duration,
+) -> Result<(), EvalError> {
+    let distributor = &row.spec.traffic_distributor_id;
+    if !shared.publication_check_due(distributor, interval) {
+        return Ok(());
+    }
+    let published = shared
+        .engine
+        .settle_publication(distributor)
+        .await
+        .map_err(|e| EvalError::new("publish the traffic distributor", e))?;
+    if published {
+        tracing::info!(group = %row.spec.name, distributor = %distributor, "the traffic distributor did not serve what the store says: published again");
+    }
+    Ok(())
 }
 
 /// Resume: the first time this daemon evaluates the group, and whenever the

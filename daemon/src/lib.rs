@@ -100,9 +100,28 @@ pub struct Shared {
     pub holder: String,
     pub metrics: Metrics,
     status: Mutex<BTreeMap<String, GroupStatus>>,
+    /// When each distributor's publication was last compared with what it
+    /// serves (see `group::settle_publication`).
+    publication_checks: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 impl Shared {
+    /// Whether the distributor's publication is due for a check (at most one
+    /// per `every`, whichever of its groups comes first); marks it checked.
+    pub(crate) fn publication_check_due(&self, distributor: &str, every: Duration) -> bool {
+        let now = std::time::Instant::now();
+        let mut checks = self
+            .publication_checks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match checks.get(distributor) {
+            Some(last) if now.duration_since(*last) < every => false,
+            _ => {
+                checks.insert(distributor.to_string(), now);
+                true
+            }
+        }
+    }
     pub fn status_snapshot(&self) -> Vec<GroupStatus> {
         self.status
             .lock()
@@ -161,6 +180,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
         holder: holder.clone(),
         metrics: Metrics::default(),
         status: Mutex::new(BTreeMap::new()),
+        publication_checks: Mutex::new(HashMap::new()),
     });
     tracing::info!(
         listen = %cfg.listen,

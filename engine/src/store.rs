@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -92,6 +92,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE events ADD COLUMN last_ms INTEGER NOT NULL DEFAULT 0;
     UPDATE events SET last_ms = time_ms;
     CREATE INDEX events_by_age ON events (group_id, last_ms);
+    "#,
+    // 5 -> 6: what each distributor's driver last confirmed it serves (a
+    // publication, as JSON; NULL: nothing confirmed yet), so that a publication
+    // that failed is seen as unfinished work and retried until it is served.
+    r#"
+    ALTER TABLE distributors ADD COLUMN served TEXT;
     "#,
 ];
 
@@ -874,6 +880,22 @@ impl Store {
         s.map_or(Ok(serde_json::Value::Null), |s| {
             decode("distributor runtime", &s.text(0)?)
         })
+    }
+    /// What the distributor's driver last confirmed it serves (see
+    /// `reconcile::distributors`); `None` when nothing was confirmed yet.
+    pub fn served_publication(&self, id: &str) -> Result<Option<String>> {
+        let row =
+            self.with(|c| c.one("SELECT served FROM distributors WHERE id = ?1", vals![id]))?;
+        row.map_or(Ok(None), |r| r.opt_text(0))
+    }
+    pub fn set_served_publication(&self, id: &str, served: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE distributors SET served = ?2 WHERE id = ?1",
+                vals![id, served],
+            )
+        })?;
+        Ok(())
     }
     pub fn set_distributor_runtime(&self, id: &str, runtime: &serde_json::Value) -> Result<()> {
         self.with(|c| {

@@ -300,7 +300,7 @@ pub trait Cloud: Send + Sync {
 
 /// What a distributor must hand out: per AZ, the serving nodes' addresses, and the
 /// vserver ports (an `nlb` forwards each port of each AZ's VIP).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Publication {
     /// AZ -> addresses of the nodes registered in that AZ.
     pub endpoints: BTreeMap<String, Vec<String>>,
@@ -312,14 +312,25 @@ pub struct Publication {
 }
 
 /// The targets of one `nlb` port (see [`crate::placement`]).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PortTargets {
     pub addresses: Vec<String>,
     pub balance: Balance,
 }
 
 /// How an `nlb` picks among a port's targets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub enum Balance {
     /// In turn.
     #[default]

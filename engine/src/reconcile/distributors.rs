@@ -1,5 +1,12 @@
 //! Traffic distributors: create, update, delete, view, and the publication of
 //! what each hands out (the registered nodes and the vservers' ports).
+//!
+//! Publication is level-triggered (docs/design.md, section 3): what a
+//! distributor must hand out is computed from the store, what it serves is what
+//! its driver last confirmed (kept in the store only after the driver returns),
+//! and while the two differ there is unfinished work, which the daemon retries
+//! with back-off ([`Engine::settle_publication`]). A node row leaves the store
+//! only after a publication without it was confirmed.
 
 use super::{new_id, Engine, EngineError, Result};
 use crate::cloud::{Distributor, Publication};
@@ -26,11 +33,21 @@ impl Engine {
         Ok(self.clouds.distributors(cloud.as_str())?)
     }
 
+    /// Creates the distributor and starts it with nothing to hand out. One
+    /// with the same name and settings already in the store (an apply that
+    /// stopped after recording it, before Terraform saved it) is adopted and
+    /// finished, not refused as a name taken.
     pub async fn create_distributor(&self, spec: &DistributorSpec) -> Result<String> {
-        let driver = self.distributor_driver(spec.cloud)?;
-        let id = new_id("td");
-        self.store.insert_distributor(&id, spec)?;
-        driver.publish(&id, spec, &Publication::default()).await?;
+        self.distributor_driver(spec.cloud)?;
+        let id = match self.store.distributor_by_name(&spec.name)? {
+            Some(existing) if existing.spec == *spec => existing.id,
+            _ => {
+                let id = new_id("td");
+                self.store.insert_distributor(&id, spec)?;
+                id
+            }
+        };
+        self.publish(&id).await?;
         Ok(id)
     }
 
@@ -80,13 +97,42 @@ impl Engine {
             return Ok(None);
         };
         let driver = self.distributor_driver(row.spec.cloud)?;
-        let publication = self.publication(id)?;
+        let served = self.served(id)?.unwrap_or_default();
         Ok(Some(DistributorView {
-            endpoints: publication.endpoints.values().flatten().cloned().collect(),
+            endpoints: served.endpoints.values().flatten().cloned().collect(),
             address: driver.addresses(id, &row.spec),
             id: row.id,
             spec: row.spec,
         }))
+    }
+
+    /// What the distributor's driver last confirmed it hands out; `None` before
+    /// its first confirmed publication.
+    fn served(&self, distributor_id: &str) -> Result<Option<Publication>> {
+        let Some(json) = self.store.served_publication(distributor_id)? else {
+            return Ok(None);
+        };
+        serde_json::from_str(&json)
+            .map(Some)
+            .map_err(|e| EngineError::Step {
+                step: "read what the distributor serves",
+                detail: e.to_string(),
+            })
+    }
+
+    /// Publishes when what the distributor serves is not what the store says
+    /// it must hand out (a publication that failed, or one never made);
+    /// returns whether it did. The daemon calls it for every distributor, so a
+    /// failed publication is retried until it is served.
+    pub async fn settle_publication(&self, distributor_id: &str) -> Result<bool> {
+        if self.store.distributor(distributor_id)?.is_none() {
+            return Ok(false);
+        }
+        if self.served(distributor_id)? == Some(self.publication(distributor_id)?) {
+            return Ok(false);
+        }
+        self.publish(distributor_id).await?;
+        Ok(true)
     }
 
     /// What the distributor must hand out now: every registered node of every group
@@ -207,6 +253,10 @@ impl Engine {
             .map_err(|e| EngineError::Step {
                 step: "register addresses with the distributor",
                 detail: e.to_string(),
-            })
+            })?;
+        // Only now, confirmed by the driver, is it what the distributor serves.
+        let served = serde_json::to_string(&publication).expect("publications serialise");
+        self.store.set_served_publication(distributor_id, &served)?;
+        Ok(())
     }
 }

@@ -279,7 +279,10 @@ impl Engine {
     }
 
     /// Removes the nodes whose process is gone (`failed`: the core's
-    /// `remove_failed`) at once, and republishes if one was registered.
+    /// `remove_failed`): each is marked failed and out of the distributor, the
+    /// distributor is republished without them, and only once it confirmed
+    /// are they deprovisioned and their rows deleted (a failed publication
+    /// leaves the rows for the next run, which publishes again).
     async fn remove_failed(
         &self,
         cloud: &dyn Cloud,
@@ -289,19 +292,29 @@ impl Engine {
         lease: &KeptLease,
     ) -> Result<()> {
         let id = &group.id;
-        let mut registration_changed = false;
+        let mut dead = Vec::new();
         for mut n in rows.iter().filter(|n| failed.contains(&n.id)).cloned() {
             lease.check()?;
-            registration_changed |= n.registered;
-            n.state = NodeState::Failed;
-            n.registered = false;
-            self.store.update_node(&n)?;
-            self.store.record_event(
-                id,
-                Some(&n.az),
-                "node_failed",
-                &format!("node {} is not running", n.id),
-            )?;
+            if n.state != NodeState::Failed || n.registered {
+                n.state = NodeState::Failed;
+                n.registered = false;
+                self.store.update_node(&n)?;
+                self.store.record_event(
+                    id,
+                    Some(&n.az),
+                    "node_failed",
+                    &format!("node {} is not running", n.id),
+                )?;
+            }
+            dead.push(n);
+        }
+        if dead.is_empty() {
+            return Ok(());
+        }
+        lease.check()?;
+        self.publish(&group.spec.traffic_distributor_id).await?;
+        for n in dead {
+            lease.check()?;
             cloud.deprovision(&n).await?;
             self.store.delete_node(&n.id)?;
             self.store.record_event(
@@ -310,10 +323,6 @@ impl Engine {
                 "node_removed",
                 &format!("failed node {} removed", n.id),
             )?;
-        }
-        if registration_changed {
-            lease.check()?;
-            self.publish(&group.spec.traffic_distributor_id).await?;
         }
         Ok(())
     }
