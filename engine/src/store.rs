@@ -400,10 +400,10 @@ enum Backend {
     Sqlite(Mutex<Connection>),
     Postgres {
         /// Every call but the lease renewals.
-        pool: PgPool,
+        pool: Box<PgPool>,
         /// Lease renewals, releases and checks alone: a stalled query or a
         /// busy pool never delays the renewal that keeps a holder's work going.
-        leases: PgPool,
+        leases: Box<PgPool>,
     },
 }
 
@@ -466,8 +466,8 @@ impl Store {
         let store = Store {
             location: target.redacted().to_string(),
             backend: Backend::Postgres {
-                pool: PgPool::new(target.clone(), limits, "store"),
-                leases: PgPool::new(target, lease_limits, "lease"),
+                pool: Box::new(PgPool::new(target.clone(), limits, "store")),
+                leases: Box::new(PgPool::new(target, lease_limits, "lease")),
             },
             local_dir: base_dir.join(".lbscale"),
             path: None,
