@@ -415,3 +415,50 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
         other.check_lease(&taken).unwrap();
     });
 }
+
+// A store call that waits on a stalled server does not hold up the async
+// tasks of the runtime it is called from, even with a single worker thread.
+#[test]
+fn a_stalled_store_call_does_not_block_the_runtime() {
+    let Some((ts, app, s)) = postgres_store("runtime") else {
+        return;
+    };
+    group(&s, "g1");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let stall = StoppedBackends::start(&ts.url, &app);
+    rt.block_on(async move {
+        // Ticks every 20 ms, from before the stalled call until after it.
+        let ticks = tokio::spawn(async {
+            let mut at = vec![Instant::now()];
+            while at[0].elapsed() < Duration::from_millis(3500) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                at.push(Instant::now());
+            }
+            at
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let stuck = tokio::spawn(async move {
+            let t = Instant::now();
+            let r = s.probe(Duration::from_secs(3));
+            (r, t.elapsed())
+        });
+        let (r, took) = stuck.await.unwrap();
+        let at = ticks.await.unwrap();
+        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        eprintln!(
+            "{} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}",
+            at.len()
+        );
+        assert!(r.is_err(), "the probe answered on a stopped backend");
+        assert!(took >= Duration::from_secs(2), "{took:?}");
+        assert!(
+            gap < Duration::from_millis(1000),
+            "the runtime's only worker was held {gap:?} by the stalled call"
+        );
+    });
+    drop(stall);
+}
