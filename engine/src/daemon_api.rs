@@ -107,9 +107,14 @@ impl Engine {
         Ok(self.store.nodes_of_group(group_id)?)
     }
 
-    /// The group's node API token. Sensitive: never log or print it.
+    /// The group's node API token. Sensitive: never log or print it. A group
+    /// without one (gone, or a row without its secret) is an error: an empty
+    /// token is never used.
     pub fn group_token(&self, group_id: &str) -> Result<String> {
-        Ok(self.store.group_token(group_id)?.unwrap_or_default())
+        self.store
+            .group_token(group_id)?
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| EngineError::NotFound(format!("the node API token of group {group_id}")))
     }
 
     /// The AZs' persisted policy states.

@@ -907,21 +907,36 @@ impl Store {
         Ok(())
     }
 
+    /// Inserts the group with its node API token in one transaction: a group
+    /// row is never without its token.
     pub fn insert_group(&self, id: &str, spec: &GroupSpec, token: &str) -> Result<()> {
+        if token.is_empty() {
+            return Err(StoreError::Sql(format!(
+                "autoscale group {:?} not inserted: its node API token is empty",
+                spec.name
+            )));
+        }
         let json = serde_json::to_string(spec).expect("specs serialise");
-        self.insert_named(
-            "autoscale group",
-            "INSERT INTO groups (id, name, distributor_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            &spec.name,
-            vals![id, &spec.name, &spec.traffic_distributor_id, json, self.now()],
-        )?;
-        self.with(|c| {
-            c.execute(
+        let now = self.now();
+        self.tx(|tx| {
+            let taken = tx.one("SELECT id FROM groups WHERE name = ?1", vals![&spec.name])?;
+            if let Some(existing) = taken {
+                return Err(StoreError::NameTaken {
+                    kind: "autoscale group",
+                    name: spec.name.clone(),
+                    id: existing.text(0)?,
+                });
+            }
+            tx.execute(
+                "INSERT INTO groups (id, name, distributor_id, spec, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                vals![id, &spec.name, &spec.traffic_distributor_id, json, now],
+            )?;
+            tx.execute(
                 "INSERT INTO group_secrets (group_id, token) VALUES (?1, ?2)",
                 vals![id, token],
-            )
-        })?;
-        Ok(())
+            )?;
+            Ok(())
+        })
     }
     /// Updates the group; the spans of its vservers in AZs it no longer has go.
     pub fn update_group(&self, id: &str, spec: &GroupSpec) -> Result<()> {

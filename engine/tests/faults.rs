@@ -689,3 +689,34 @@ async fn a_dead_node_leaves_dns_once_the_distributor_can_be_written_again() {
     assert!(!s.engine.settle_publication(&s.distributor).await.unwrap());
     s.assert_consistent("after the dead node left");
 }
+
+/// A scale-out that read the group and then waited for its AZ's lease while
+/// `terraform destroy` ran: the destroy waits for the AZ's lease too, and the
+/// scale-out re-reads the group under it, so whichever goes first, nothing of
+/// the group is left (no node process, row or directory), and a scale-out
+/// that came second is refused because the group is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_scale_out_waiting_for_its_az_while_the_group_is_destroyed_leaves_nothing() {
+    let s = Stack::up("flt_destroy_race", "127.79.").await;
+    let store = s.engine.testing_store().clone();
+    let key = lbscale_engine::store::az_lease_key(&s.group, "az1");
+    // Another daemon's workflow in the AZ: the scale-out waits for it.
+    let held = store
+        .acquire_lease(&key, "another-daemon", Duration::from_secs(60))
+        .unwrap();
+    let (out, destroyed) = tokio::join!(s.engine.scale_out(&s.group, "az1", "test"), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let release = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            store.release_lease(&held).unwrap();
+        };
+        tokio::join!(s.engine.delete_group(&s.group), release).0
+    });
+    destroyed.expect("the group is destroyed");
+    if let Err(e) = out {
+        assert!(matches!(e, EngineError::NotFound(_)), "{e}");
+    }
+    assert!(store.group(&s.group).unwrap().is_none());
+    assert!(s.processes().is_empty(), "node processes left: {:?}", s.processes());
+    s.assert_consistent("after the destroy");
+}

@@ -5,7 +5,8 @@ use super::leases::{wait_unused, KeptLease};
 use super::{new_id, new_token, Engine, EngineError, Result};
 use crate::cloud::Cloud;
 use crate::model::{Finding, Findings, GroupSpec, PathStep};
-use crate::store::{NodeRow, NodeState, Row};
+use crate::store::{az_lease_key, NodeRow, NodeState, Row};
+use std::collections::BTreeSet;
 use lbscale_core::apply;
 use std::time::{Duration, Instant};
 
@@ -128,17 +129,38 @@ impl Engine {
         // Destroy may take the TTL plus a full drain: bound it by those, not apply_timeout.
         let budget =
             group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
+        let lease = self.lease(id, Instant::now() + budget).await?;
+        // Every AZ's lease too, so that a daemon's workflow in an AZ (a
+        // scale-out waiting for its turn, say) ends before the nodes go, and
+        // finds the group gone when it re-reads it (docs/design.md, section 4).
+        let mut azs: BTreeSet<String> = group.spec.availability_zones.iter().cloned().collect();
+        azs.extend(self.store.nodes_of_group(id)?.into_iter().map(|n| n.az));
+        let mut az_leases = Vec::new();
+        for az in &azs {
+            match self.lease(&az_lease_key(id, az), Instant::now() + budget).await {
+                Ok(l) => az_leases.push(l),
+                Err(e) => {
+                    az_leases.into_iter().for_each(KeptLease::release);
+                    lease.release();
+                    return Err(e);
+                }
+            }
+        }
         let deadline = Instant::now() + budget;
-        let lease = self.lease(id, deadline).await?;
         let nodes = self.store.nodes_of_group(id)?;
-        let out = self
-            .scale_in(&group, nodes, deadline, "group destroyed", &lease)
-            .await;
+        let out = async {
+            self.scale_in(&group, nodes, deadline, "group destroyed", &lease)
+                .await?;
+            lease.check()?;
+            // Deleted while the leases are held: nothing acts on it in between.
+            self.store.delete_group(id)?;
+            self.store.release_addresses(id)?;
+            Ok(())
+        }
+        .await;
+        az_leases.into_iter().for_each(KeptLease::release);
         lease.release();
-        out?;
-        self.store.delete_group(id)?;
-        self.store.release_addresses(id)?;
-        Ok(())
+        out
     }
 
     /// The group and its nodes as they are now. A node whose liveness the
@@ -216,10 +238,7 @@ impl Engine {
     ) -> Result<()> {
         let (id, spec) = (&group.id, &group.spec);
         let cloud = self.cloud(spec.cloud)?;
-        let token = self
-            .store
-            .group_token(id)?
-            .ok_or_else(|| EngineError::NotFound(format!("token of group {id}")))?;
+        let token = self.group_token(id)?;
 
         // 1. Observe, then let the core decide (docs/design.md, "Apply").
         let rows = self.store.nodes_of_group(id)?;

@@ -380,7 +380,7 @@ impl Engine {
         let lease = self.lease(group_id, deadline).await?;
         let out = async {
             let cloud = self.cloud(group.spec.cloud)?;
-            let token = self.store.group_token(group_id)?.unwrap_or_default();
+            let token = self.group_token(group_id)?;
             let config = self.node_config(group_id, self.store.config_version(group_id)?)?;
             self.store.record_event(
                 group_id,

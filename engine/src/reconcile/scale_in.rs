@@ -26,6 +26,8 @@ impl Engine {
             + Duration::from_secs(60);
         let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
         let out = async {
+            // As it is now, under the lease: a destroy may have ended meanwhile.
+            let group = self.group_row(group_id)?;
             let members: Vec<NodeRow> = self
                 .store
                 .nodes_of_group(group_id)?
@@ -75,7 +77,7 @@ impl Engine {
         }
         let spec = &group.spec;
         let cloud = self.cloud(spec.cloud)?;
-        let token = self.store.group_token(&group.id)?.unwrap_or_default();
+        let token = self.group_token(&group.id)?;
         let mut nodes = nodes;
         self.deregister(&group.id, &mut nodes, reason, lease)?;
         self.push_while_leaving(cloud, group, &token, deadline, lease)

@@ -19,6 +19,10 @@ impl Engine {
         let deadline = Instant::now() + group.spec.apply_timeout();
         let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
         let out = async {
+            // As it is now, under the lease: a destroy may have ended meanwhile
+            // (docs/design.md, section 4), and a node for a group that is gone
+            // would run forever.
+            let group = self.group_row(group_id)?;
             let nodes = self.store.nodes_of_group(group_id)?;
             let members = nodes
                 .iter()
