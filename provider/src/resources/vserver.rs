@@ -428,3 +428,71 @@ impl ManagedObject for Vserver {
         engine.delete_vserver(id).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn udp(max: i64, request: &str) -> State {
+        State {
+            name: Value::Value("dns".into()),
+            service_type: Value::Value("UDP".into()),
+            port: Value::Value(53.into()),
+            max_connections: Value::Value(max.into()),
+            udp_health_request: Value::Value(request.into()),
+            ..Default::default()
+        }
+    }
+
+    fn summaries(s: &State) -> Vec<String> {
+        Vserver::validate(s)
+            .0
+            .into_iter()
+            .map(|f| f.detail)
+            .collect()
+    }
+
+    #[test]
+    fn max_connections_and_udp_health_request_are_checked() {
+        assert!(summaries(&udp(10_000, "1234 0100")).is_empty());
+        assert_eq!(
+            summaries(&udp(0, "")),
+            ["max_connections must be between 1 and 1000000, got 0."]
+        );
+        let bad = summaries(&udp(1, "12 3"));
+        assert!(
+            bad[0].starts_with("udp_health_request must be hex digits"),
+            "{bad:?}"
+        );
+        let bad = summaries(&udp(1, "zz"));
+        assert!(
+            bad[0].contains("\"zz\" is not a pair of hex digits"),
+            "{bad:?}"
+        );
+        let mut tcp = udp(1, "00");
+        tcp.service_type = Value::Value("TCP".into());
+        assert_eq!(
+            summaries(&tcp),
+            ["udp_health_request applies to vservers of service_type UDP only."]
+        );
+    }
+
+    #[test]
+    fn a_row_stored_before_max_connections_reads_back_the_default() {
+        let spec = Vserver::spec_of(&udp(500, "ab")).unwrap();
+        assert_eq!(spec.max_connections, 500);
+        assert_eq!(
+            udp_health_request_bytes(&spec.udp_health_request),
+            Ok(vec![0xab])
+        );
+        let old: VserverSpec = serde_json::from_value(serde_json::json!({
+            "name": "dns", "se_group_id": "seg-1", "service_type": "UDP", "port": 53,
+            "lb_method": "ROUNDROBIN", "persistence": "NONE", "services": [],
+            "slow_start": null
+        }))
+        .unwrap();
+        let s = state_of("vs-1".into(), old, BTreeMap::new());
+        assert_eq!(int(&s.max_connections), Some(DEFAULT_MAX_CONNECTIONS));
+        assert_eq!(known(&s.udp_health_request).map(String::as_str), Some(""));
+    }
+}
