@@ -236,6 +236,9 @@ pub async fn evaluate(
     let Some(claim) = take_turn(shared, rt, row, claim_ttl)? else {
         return Ok(Next::Requeue(interval));
     };
+    if finish_deletion(shared, row).await? {
+        return Ok(Next::Requeue(interval));
+    }
     if resume(shared, rt, row, now).await? {
         return Ok(Next::Requeue(interval));
     }
@@ -346,6 +349,25 @@ fn take_turn(
             Ok(None)
         }
     }
+}
+
+/// A group whose destroy began and stopped (the apply killed mid-drain) is
+/// deleted, not resumed: true when that is what this evaluation did.
+async fn finish_deletion(shared: &Shared, row: &Row<GroupSpec>) -> Result<bool, EvalError> {
+    let step = "finish the group's destroy";
+    if !shared
+        .engine
+        .group_being_deleted(&row.id)
+        .map_err(|e| EvalError::new(step, e))?
+    {
+        return Ok(false);
+    }
+    tracing::info!(group = %row.spec.name, "the group's destroy stopped half-way: finishing it");
+    shared.update_status(&row.id, |s| s.in_flight = Some("destroy".into()));
+    let r = shared.engine.delete_group(&row.id).await;
+    shared.update_status(&row.id, |s| s.in_flight = None);
+    r.map_err(|e| EvalError::new(step, e))?;
+    Ok(true)
 }
 
 /// Publication is level-triggered (docs/design.md, section 3): once per stats

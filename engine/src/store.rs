@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -98,6 +98,11 @@ const MIGRATIONS: &[&str] = &[
     // that failed is seen as unfinished work and retried until it is served.
     r#"
     ALTER TABLE distributors ADD COLUMN served TEXT;
+    "#,
+    // 6 -> 7: a group whose destroy began: whoever runs next (the daemon, the
+    // next destroy) finishes the deletion instead of bringing it back up.
+    r#"
+    ALTER TABLE groups ADD COLUMN deleting INTEGER NOT NULL DEFAULT 0;
     "#,
 ];
 
@@ -1063,6 +1068,16 @@ impl Store {
     }
     /// Deletes the group with its secret, leases (its own and the daemon's claim),
     /// events and policy state (its nodes must be gone).
+    /// Marks the group as being destroyed (see migration 6 -> 7).
+    pub fn mark_group_deleting(&self, id: &str) -> Result<()> {
+        self.with(|c| c.execute("UPDATE groups SET deleting = 1 WHERE id = ?1", vals![id]))?;
+        Ok(())
+    }
+    /// Whether the group's destroy began and has not finished.
+    pub fn group_deleting(&self, id: &str) -> Result<bool> {
+        let row = self.with(|c| c.one("SELECT deleting FROM groups WHERE id = ?1", vals![id]))?;
+        row.map_or(Ok(false), |r| Ok(r.int(0)? != 0))
+    }
     pub fn delete_group(&self, id: &str) -> Result<()> {
         let claim = daemon_claim_key(id);
         self.tx(|tx| {

@@ -714,9 +714,35 @@ async fn a_scale_out_waiting_for_its_az_while_the_group_is_destroyed_leaves_noth
     });
     destroyed.expect("the group is destroyed");
     if let Err(e) = out {
-        assert!(matches!(e, EngineError::NotFound(_)), "{e}");
+        // Gone, or still being destroyed when the scale-out had its turn.
+        assert!(
+            matches!(e, EngineError::NotFound(_)) || e.to_string().contains("is being destroyed"),
+            "{e}"
+        );
     }
     assert!(store.group(&s.group).unwrap().is_none());
     assert!(s.processes().is_empty(), "node processes left: {:?}", s.processes());
     s.assert_consistent("after the destroy");
+}
+
+/// A destroy that stopped half-way (its apply killed while the group's node
+/// waited out the TTL) is finished, not undone: nothing but the deletion acts
+/// on the group from then on (an apply's reconcile and a scale-out are
+/// refused, so no resume tops the group back up), and the next destroy (or
+/// the daemon) completes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_destroy_that_stopped_half_way_is_finished_not_undone() {
+    let s = Stack::up("flt_destroy_stopped", "127.80.").await;
+    let stopped =
+        tokio::time::timeout(Duration::from_millis(700), s.engine.delete_group(&s.group)).await;
+    assert!(stopped.is_err(), "the destroy was still waiting (TTL 1 s)");
+    assert!(s.engine.group_being_deleted(&s.group).unwrap());
+    let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
+    assert!(e.to_string().contains("is being destroyed"), "{e}");
+    let e = s.engine.scale_out(&s.group, "az1", "test").await.unwrap_err();
+    assert!(e.to_string().contains("is being destroyed"), "{e}");
+    s.engine.delete_group(&s.group).await.expect("finished");
+    assert!(!s.engine.group_being_deleted(&s.group).unwrap());
+    assert!(s.processes().is_empty(), "node processes left: {:?}", s.processes());
+    s.assert_consistent("after the destroy was finished");
 }

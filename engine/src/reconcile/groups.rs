@@ -130,6 +130,10 @@ impl Engine {
         let budget =
             group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
         let lease = self.lease(id, Instant::now() + budget).await?;
+        // From here on the group is on its way out: a destroy that stops (its
+        // process killed mid-drain) is finished by the next destroy or by the
+        // daemon, never undone by a resume (docs/design.md, section 3).
+        self.store.mark_group_deleting(id)?;
         // Every AZ's lease too, so that a daemon's workflow in an AZ (a
         // scale-out waiting for its turn, say) ends before the nodes go, and
         // finds the group gone when it re-reads it (docs/design.md, section 4).
@@ -215,6 +219,7 @@ impl Engine {
             .store
             .group(id)?
             .ok_or_else(|| EngineError::NotFound(format!("autoscale group {id}")))?;
+        self.refuse_if_deleting(&group)?;
         let started = Instant::now();
         let deadline = started + group.spec.apply_timeout();
         let lease = self.lease(id, deadline).await?;
@@ -293,6 +298,26 @@ impl Engine {
                 lease,
             )
             .await?;
+        }
+        Ok(())
+    }
+
+    /// Whether the group's destroy began and has not finished (the daemon
+    /// then finishes it with [`Engine::delete_group`]).
+    pub fn group_being_deleted(&self, id: &str) -> Result<bool> {
+        Ok(self.store.group_deleting(id)?)
+    }
+
+    /// Nothing but the deletion acts on a group whose destroy began.
+    pub(super) fn refuse_if_deleting(&self, group: &Row<GroupSpec>) -> Result<()> {
+        if self.store.group_deleting(&group.id)? {
+            return Err(EngineError::Step {
+                step: "act on the group",
+                detail: format!(
+                    "autoscale group {:?} is being destroyed; the daemon or the next `terraform destroy` finishes it",
+                    group.spec.name
+                ),
+            });
         }
         Ok(())
     }

@@ -23,6 +23,7 @@ impl Engine {
             // (docs/design.md, section 4), and a node for a group that is gone
             // would run forever.
             let group = self.group_row(group_id)?;
+            self.refuse_if_deleting(&group)?;
             let nodes = self.store.nodes_of_group(group_id)?;
             let members = nodes
                 .iter()
