@@ -148,6 +148,29 @@ pub fn admit(vserver: &Arc<Budget>, node: &Arc<Budget>, fds: usize) -> Option<Ad
     })
 }
 
+/// Connections or datagrams refused for lack of room, to log at most once a
+/// second under a flood.
+#[derive(Default)]
+pub struct Refusals {
+    count: u64,
+    logged: Option<std::time::Instant>,
+}
+
+impl Refusals {
+    /// Counts one; the number since the last log when it is time to log again.
+    pub fn note(&mut self) -> Option<u64> {
+        self.count += 1;
+        if self
+            .logged
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return None;
+        }
+        self.logged = Some(std::time::Instant::now());
+        Some(std::mem::take(&mut self.count))
+    }
+}
+
 /// The delay between retries of a failing `accept` (no descriptor left, no
 /// memory): doubling from 10 ms to 1 s, back to the start after a success. An
 /// accept error never ends a listener.

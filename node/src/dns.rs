@@ -377,12 +377,11 @@ pub const MAX_TCP_CONNECTIONS: usize = 256;
 async fn accept_tcp(tcp: TcpListener, zones: Shared, max: usize) {
     let slots = crate::bounds::Budget::new(max);
     let mut backoff = crate::bounds::Backoff::default();
-    let mut refused = 0u64;
+    let mut refusals = crate::bounds::Refusals::default();
     loop {
         let (s, peer) = crate::bounds::accept(&tcp, &mut backoff, "dns-tcp").await;
         let Some(slot) = slots.take(1) else {
-            refused += 1;
-            if refused.is_power_of_two() {
+            if let Some(refused) = refusals.note() {
                 tracing::warn!(%peer, max, refused, "DNS-over-TCP connection cap reached: closing new connections");
             }
             continue;

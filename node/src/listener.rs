@@ -5,12 +5,11 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::bounds::Backoff;
+use crate::bounds::{Backoff, Refusals};
 use crate::model::{Kind, Vserver};
 use crate::persist::Persistence;
 use crate::proxy_protocol::{proxy_header, read_proxy_header};
@@ -40,29 +39,12 @@ pub async fn accept_loop(listener: TcpListener, vs: Arc<Vserver>) {
                     accept(stream, peer, vs).await
                 });
             }
-            None => refused.note(&vs),
-        }
-    }
-}
-
-/// Connections closed for lack of room, logged at most once a second.
-#[derive(Default)]
-struct Refusals {
-    count: u64,
-    logged: Option<Instant>,
-}
-
-impl Refusals {
-    fn note(&mut self, vs: &Vserver) {
-        self.count += 1;
-        if self
-            .logged
-            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-        {
-            let (open, limit) = vs.connections();
-            tracing::warn!(vserver = %vs.state().name, open, limit, refused = self.count, "connection limit reached: closing new connections");
-            self.logged = Some(Instant::now());
-            self.count = 0;
+            None => {
+                if let Some(refused) = refused.note() {
+                    let (open, limit) = vs.connections();
+                    tracing::warn!(vserver = %name, open, limit, refused, "connection limit reached: closing new connections");
+                }
+            }
         }
     }
 }

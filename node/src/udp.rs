@@ -15,12 +15,12 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
-use crate::bounds::Admission;
+use crate::bounds::{Admission, Refusals};
 use crate::model::Vserver;
 use crate::persist::Persistence;
 use crate::scaleout::{Peer, Route};
@@ -121,7 +121,7 @@ impl Flows<Arc<Flow>> {
 pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>) {
     let sock = Arc::new(sock);
     let mut flows: Flows<Arc<Flow>> = Flows::default();
-    let mut refused = Refused::default();
+    let mut refused = Refusals::default();
     let mut buf = vec![0u8; 65536];
     loop {
         let (n, peer) = tokio::select! {
@@ -140,7 +140,9 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>) {
             _ => {
                 flows.remove(peer);
                 let Some(admission) = flows.admit(&vs) else {
-                    refused.note(&vs, flows.len());
+                    if let Some(dropped) = refused.note() {
+                        tracing::warn!(vserver = %vs.state().name, flows = flows.len(), dropped, "no descriptor left for a new UDP flow: datagram dropped");
+                    }
                     continue;
                 };
                 match open_flow(&sock, &vs, peer).await {
@@ -164,27 +166,6 @@ pub async fn serve(sock: UdpSocket, vs: Arc<Vserver>) {
     }
     for (_, e) in flows.by_client.drain() {
         e.flow.stop.cancel();
-    }
-}
-
-/// Datagrams dropped for lack of room, logged at most once a second.
-#[derive(Default)]
-struct Refused {
-    count: u64,
-    logged: Option<Instant>,
-}
-
-impl Refused {
-    fn note(&mut self, vs: &Vserver, flows: usize) {
-        self.count += 1;
-        if self
-            .logged
-            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-        {
-            tracing::warn!(vserver = %vs.state().name, flows, dropped = self.count, "no descriptor left for a new UDP flow: datagram dropped");
-            self.logged = Some(Instant::now());
-            self.count = 0;
-        }
     }
 }
 

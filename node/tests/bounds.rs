@@ -119,22 +119,6 @@ async fn api_answers(ip: &str) -> bool {
     )
 }
 
-/// A UDP backend that answers every datagram with `name:` and the datagram.
-async fn udp_echo(addr: &str, name: &'static str) -> tokio::task::JoinHandle<()> {
-    let s = UdpSocket::bind(addr).await.unwrap();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 1500];
-        loop {
-            let Ok((n, peer)) = s.recv_from(&mut buf).await else {
-                return;
-            };
-            let mut out = format!("{name}:").into_bytes();
-            out.extend_from_slice(&buf[..n]);
-            let _ = s.send_to(&out, peer).await;
-        }
-    })
-}
-
 /// A new client's query through `vip` is answered, within `tries` tries.
 async fn udp_answers(vip: &str, tries: u32) -> bool {
     for i in 0..tries {
@@ -194,7 +178,7 @@ async fn a_flood_of_udp_sources_leaves_the_api_and_the_vserver_answering() {
                 if s.send_to(b"flood", vip).is_ok() {
                     sent += 1;
                 }
-                if sent % 500 == 0 {
+                if sent.is_multiple_of(500) {
                     // About 4,000 sources a second.
                     std::thread::sleep(Duration::from_millis(100));
                 }

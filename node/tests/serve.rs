@@ -710,20 +710,6 @@ async fn slow_start_cap_limits_a_service() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_vserver_relays_per_flow() {
-    async fn udp_echo(addr: &str, name: &'static str) -> tokio::task::JoinHandle<()> {
-        let s = tokio::net::UdpSocket::bind(addr).await.unwrap();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1500];
-            loop {
-                let Ok((n, peer)) = s.recv_from(&mut buf).await else {
-                    return;
-                };
-                let mut out = format!("{name}:").into_bytes();
-                out.extend_from_slice(&buf[..n]);
-                let _ = s.send_to(&out, peer).await;
-            }
-        })
-    }
     let ta = udp_echo("127.77.7.10:5300", "alpha").await;
     let tb = udp_echo("127.77.7.11:5300", "beta").await;
     let node = start_node("udp", "127.77.7.1");
@@ -805,4 +791,25 @@ async fn standalone_http_round_robin() {
         bodies.push(String::from_utf8_lossy(&r.body).to_string());
     }
     assert_eq!(bodies, vec!["alpha", "beta", "alpha", "beta"]);
+}
+
+/// The configuration version is the engine's fence: a configuration older than
+/// the one applied (sent by a writer whose lease ended) is refused and changes
+/// nothing; the same version again is accepted (a retried push).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_configuration_version_is_refused() {
+    let node = start_node("fence", "127.77.21.1");
+    let mut cl = client(&node).await;
+    assert_eq!(configure(&mut cl, 5, vec![]).await, 5);
+    let e = cl
+        .configure(NodeConfig {
+            version: 4,
+            ..Default::default()
+        })
+        .await
+        .expect_err("an older version must be refused");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert!(e.message().contains("older than the applied version 5"), "{}", e.message());
+    assert_eq!(configure(&mut cl, 5, vec![]).await, 5);
+    assert_eq!(configure(&mut cl, 6, vec![]).await, 6);
 }

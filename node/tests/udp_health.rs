@@ -48,22 +48,6 @@ async fn configure(cl: &mut Client, services: Vec<Service>, request: &[u8]) {
     .expect("Configure");
 }
 
-/// A UDP-only backend answering every datagram with `name:` and the datagram.
-async fn udp_echo(addr: &str, name: &'static str) -> tokio::task::JoinHandle<()> {
-    let s = UdpSocket::bind(addr).await.unwrap();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 1500];
-        loop {
-            let Ok((n, peer)) = s.recv_from(&mut buf).await else {
-                return;
-            };
-            let mut out = format!("{name}:").into_bytes();
-            out.extend_from_slice(&buf[..n]);
-            let _ = s.send_to(&out, peer).await;
-        }
-    })
-}
-
 /// A UDP backend that reads and never answers (a hung server).
 async fn udp_silent(addr: &str) -> tokio::task::JoinHandle<()> {
     let s = UdpSocket::bind(addr).await.unwrap();

@@ -337,6 +337,26 @@ pub async fn http_get(addr: &str, path: &str) -> HttpResp {
         .unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
 }
 
+// --- UDP ----------------------------------------------------------------------
+
+/// A UDP-only backend answering every datagram with `name:` and the datagram.
+pub async fn udp_echo(addr: &str, name: &'static str) -> tokio::task::JoinHandle<()> {
+    let s = tokio::net::UdpSocket::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("bind udp backend {addr}: {e}"));
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        loop {
+            let Ok((n, peer)) = s.recv_from(&mut buf).await else {
+                return;
+            };
+            let mut out = format!("{name}:").into_bytes();
+            out.extend_from_slice(&buf[..n]);
+            let _ = s.send_to(&out, peer).await;
+        }
+    })
+}
+
 // --- `serve` and its gRPC API -------------------------------------------------
 
 pub const TOKEN: &str = "test-node-token";
