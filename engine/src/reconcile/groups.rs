@@ -342,7 +342,7 @@ impl Engine {
             if n.state != NodeState::Failed || n.registered {
                 n.state = NodeState::Failed;
                 n.registered = false;
-                self.store.update_node(&n)?;
+                self.store.update_node_under(lease.lease(), &n)?;
                 self.store.record_event(
                     id,
                     Some(&n.az),
@@ -360,7 +360,7 @@ impl Engine {
         for n in dead {
             lease.check()?;
             cloud.deprovision(&n).await?;
-            self.store.delete_node(&n.id)?;
+            self.store.delete_node_under(lease.lease(), &n.id)?;
             self.store.record_event(
                 id,
                 Some(&n.az),

@@ -124,7 +124,7 @@ impl Engine {
                     ),
                 )?;
             }
-            self.store.update_node(&n)?;
+            self.store.update_node_under(lease.lease(), &n)?;
         }
         if !n.registered {
             self.register(group_id, &mut n, lease)?;
@@ -171,7 +171,7 @@ impl Engine {
     fn register(&self, group_id: &str, n: &mut NodeRow, lease: &KeptLease) -> Result<()> {
         lease.check()?;
         n.registered = true;
-        self.store.update_node(n)?;
+        self.store.update_node_under(lease.lease(), n)?;
         self.store.record_event(
             group_id,
             Some(&n.az),

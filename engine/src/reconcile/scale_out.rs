@@ -103,7 +103,7 @@ impl Engine {
             created_at: now_ms(),
         };
         lease.check()?;
-        self.store.insert_node(&row)?;
+        self.store.insert_node_under(lease.lease(), &row)?;
         self.store.record_event(
             id,
             Some(az),
@@ -124,7 +124,7 @@ impl Engine {
         let p = match cloud.provision(&req).await {
             Ok(p) => p,
             Err(e) => {
-                self.undo_provision(cloud, row).await?;
+                self.undo_provision(cloud, row, lease).await?;
                 return Err(EngineError::Step {
                     step: "provision node",
                     detail: e.to_string(),
@@ -142,7 +142,7 @@ impl Engine {
             return Err(e.into());
         }
         row.state = NodeState::Joining;
-        self.store.update_node(&row)?;
+        self.store.update_node_under(lease.lease(), &row)?;
         self.store.record_event(
             id,
             Some(az),
@@ -156,12 +156,17 @@ impl Engine {
     /// failing (an answer lost, a start that timed out), so whatever carries
     /// its id is removed before the row is forgotten. If that fails too, the
     /// row stays as failed, and the next reconcile removes it.
-    async fn undo_provision(&self, cloud: &dyn Cloud, mut row: NodeRow) -> Result<()> {
+    async fn undo_provision(
+        &self,
+        cloud: &dyn Cloud,
+        mut row: NodeRow,
+        lease: &KeptLease,
+    ) -> Result<()> {
         match cloud.deprovision(&row).await {
-            Ok(()) => self.store.delete_node(&row.id)?,
+            Ok(()) => self.store.delete_node_under(lease.lease(), &row.id)?,
             Err(cleanup) => {
                 row.state = NodeState::Failed;
-                self.store.update_node(&row)?;
+                self.store.update_node_under(lease.lease(), &row)?;
                 tracing::warn!(node = %row.id, error = %cleanup, "could not remove what a failed provisioning left; the next reconcile retries");
             }
         }
