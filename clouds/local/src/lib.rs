@@ -20,12 +20,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod process;
+use process::{Mark, Started};
+
 /// How long a started process gets to come up (API listening / first status).
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long a distributor gets to acknowledge a new configuration.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
-/// SIGTERM grace before SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct LocalSettings {
@@ -138,14 +139,16 @@ pub fn find_node_binary(explicit: Option<&Path>) -> std::result::Result<PathBuf,
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct NodeHandle {
-    pid: u32,
+    #[serde(flatten)]
+    process: Started,
     api_port: u16,
     dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct DistributorRuntime {
-    pid: u32,
+    #[serde(flatten)]
+    process: Started,
     dir: PathBuf,
     /// `dns`: the DNS server's address.
     address: Option<String>,
@@ -239,7 +242,8 @@ impl Cloud for LocalCloud {
             "--memory-limit-mb".into(),
             req.memory_limit_mb.to_string(),
         ];
-        let pid = spawn_detached(&bin, &args, &dir.join("node.log"), &req.node_id)?;
+        let mark = Mark::node(&req.node_id);
+        let process = process::spawn_detached(&bin, &args, &dir.join("node.log"), &mark)?;
         // The process exists now: wait for its API socket (a VM that has booted).
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -251,7 +255,7 @@ impl Cloud for LocalCloud {
             {
                 break;
             }
-            if !process_alive(pid, &req.node_id) {
+            if !process::is_ours(&process, &mark) {
                 let tail = log_tail(&dir.join("node.log"));
                 return Err(CloudError::Failed(format!(
                     "node {} exited while starting: {tail}",
@@ -259,7 +263,7 @@ impl Cloud for LocalCloud {
                 )));
             }
             if Instant::now() > deadline {
-                stop_process(pid, &req.node_id).await;
+                process::stop(&process, &mark).await;
                 return Err(CloudError::Failed(format!(
                     "node {} did not open its management API on {ip}:{port} within {}s",
                     req.node_id,
@@ -269,7 +273,7 @@ impl Cloud for LocalCloud {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let handle = NodeHandle {
-            pid,
+            process,
             api_port: port,
             dir,
         };
@@ -283,13 +287,19 @@ impl Cloud for LocalCloud {
 
     async fn deprovision(&self, node: &NodeRow) -> Result<()> {
         let h: NodeHandle = serde_json::from_value(node.handle.clone()).unwrap_or_default();
-        if h.pid != 0 {
-            stop_process(h.pid, &node.id).await;
+        let mark = Mark::node(&node.id);
+        if h.process.pid != 0 {
+            process::stop(&h.process, &mark).await;
         } else {
             // A crash between starting the process and recording its pid: find
-            // it by its node id, so that it is not orphaned.
-            for pid in processes_marked(&node.id) {
-                stop_process(pid, &node.id).await;
+            // it by its exact `--node-id`, so that it is not orphaned.
+            let exe = self
+                .binary()
+                .ok()
+                .and_then(|b| std::fs::canonicalize(b).ok())
+                .unwrap_or_default();
+            for p in process::find(&mark, &exe) {
+                process::stop(&p, &mark).await;
             }
         }
         // Without a stored handle, the directory is where provision makes it:
@@ -307,7 +317,7 @@ impl Cloud for LocalCloud {
 
     async fn is_alive(&self, node: &NodeRow) -> Result<bool> {
         let h: NodeHandle = serde_json::from_value(node.handle.clone()).unwrap_or_default();
-        Ok(h.pid != 0 && process_alive(h.pid, &node.id))
+        Ok(process::is_ours(&h.process, &Mark::node(&node.id)))
     }
 
     fn api_port(&self, node: &NodeRow) -> u16 {
@@ -324,7 +334,7 @@ impl Cloud for LocalCloud {
 impl Distributor for LocalCloud {
     async fn ensure(&self, id: &str, spec: &DistributorSpec) -> Result<()> {
         let mut rt = self.runtime(id);
-        if rt.pid != 0 && process_alive(rt.pid, id) {
+        if process::is_ours(&rt.process, &Mark::distributor(&rt.dir)) {
             return Ok(());
         }
         let bin = self.binary()?;
@@ -351,16 +361,17 @@ impl Distributor for LocalCloud {
         args.extend([
             "--config".into(),
             config.display().to_string(),
+            // The status file is the distributor's own: it marks the process as ours.
             "--status".into(),
-            // The paths name the distributor's id, which marks the process as ours.
             status.display().to_string(),
         ]);
-        rt.pid = spawn_detached(&bin, &args, &rt.dir.join("distributor.log"), id)?;
+        let mark = Mark::distributor(&rt.dir);
+        rt.process = process::spawn_detached(&bin, &args, &rt.dir.join("distributor.log"), &mark)?;
         self.save_runtime(id, &rt)?;
         wait_status(
             &status,
             0,
-            rt.pid,
+            &rt,
             id,
             START_TIMEOUT,
             &rt.dir.join("distributor.log"),
@@ -428,7 +439,7 @@ impl Distributor for LocalCloud {
         wait_status(
             &rt.dir.join("status.json"),
             rt.version,
-            rt.pid,
+            &rt,
             id,
             PUBLISH_TIMEOUT,
             &rt.dir.join("distributor.log"),
@@ -438,9 +449,7 @@ impl Distributor for LocalCloud {
 
     async fn remove(&self, id: &str) -> Result<()> {
         let rt = self.runtime(id);
-        if rt.pid != 0 {
-            stop_process(rt.pid, id).await;
-        }
+        process::stop(&rt.process, &Mark::distributor(&rt.dir)).await;
         if rt.dir.starts_with(&self.root) && rt.dir.exists() {
             let _ = std::fs::remove_dir_all(&rt.dir);
         }
@@ -476,8 +485,8 @@ fn fail(what: &str, path: &Path, e: std::io::Error) -> CloudError {
 async fn wait_status(
     status: &Path,
     version: u64,
-    pid: u32,
-    marker: &str,
+    rt: &DistributorRuntime,
+    id: &str,
     timeout: Duration,
     log: &Path,
 ) -> Result<()> {
@@ -490,141 +499,19 @@ async fn wait_status(
                 }
             }
         }
-        if !process_alive(pid, marker) {
+        if !process::is_ours(&rt.process, &Mark::distributor(&rt.dir)) {
             return Err(CloudError::Failed(format!(
-                "distributor {marker} exited before applying configuration version {version}: {}",
+                "distributor {id} exited before applying configuration version {version}: {}",
                 log_tail(log)
             )));
         }
         if Instant::now() > deadline {
             return Err(CloudError::Failed(format!(
-                "distributor {marker} did not apply configuration version {version} within {}s",
+                "distributor {id} did not apply configuration version {version} within {}s",
                 timeout.as_secs()
             )));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Starts `bin args` in a session of its own, stdio to `log`, and does not wait
-/// for it. A thread reaps it if it ends while we still run; otherwise init does.
-fn spawn_detached(bin: &Path, args: &[String], log: &Path, marker: &str) -> Result<u32> {
-    use std::os::unix::process::CommandExt;
-    let out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .map_err(|e| fail("open the log", log, e))?;
-    let err = out.try_clone().map_err(|e| fail("open the log", log, e))?;
-    let mut cmd = std::process::Command::new(bin);
-    cmd.args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        // Backtraces in a node's log are useful; the provider's environment is not.
-        .env_remove("TF_LOG")
-        .process_group(0);
-    // Terraform hands the provider pipes that are not close-on-exec; a node that
-    // kept them would hold Terraform's output open long after the provider exits.
-    // Mark every inherited descriptor close-on-exec (closing them here would also
-    // close the pipe through which std reports a failed exec).
-    unsafe {
-        cmd.pre_exec(|| {
-            const CLOSE_RANGE_CLOEXEC: u32 = 1 << 2;
-            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) != 0 {
-                for fd in 3..4096 {
-                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-                }
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| CloudError::Failed(format!("could not start {}: {e}", bin.display())))?;
-    let pid = child.id();
-    // Liveness checks look for the marker in /proc/PID/cmdline: make sure it is
-    // there before anyone looks.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !process_alive(pid, marker) {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(CloudError::Failed(format!(
-                "{} exited at once ({status}): {}",
-                bin.display(),
-                log_tail(log)
-            )));
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            return Err(CloudError::Failed(format!(
-                "{} did not start within 5s",
-                bin.display()
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    std::thread::spawn(move || {
-        let _ = child.wait();
-    });
-    Ok(pid)
-}
-
-/// Whether `pid` runs and is the process we started (an argument of its command
-/// line contains `marker`, a node or distributor id), so that a recycled pid is
-/// never mistaken for ours.
-pub fn process_alive(pid: u32, marker: &str) -> bool {
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let marker = marker.as_bytes();
-    let is_ours = cmdline
-        .split(|b| *b == 0)
-        .any(|arg| arg.windows(marker.len()).any(|w| w == marker));
-    if !is_ours {
-        return false;
-    }
-    // A zombie has exited; it only waits for its parent to reap it.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
-            .unwrap_or(false),
-        Err(_) => false,
-    }
-}
-
-/// Running processes whose command line contains `marker`.
-fn processes_marked(marker: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| *pid != std::process::id() && process_alive(*pid, marker))
-        .collect()
-}
-
-/// SIGTERM, then SIGKILL after the grace period; returns once the process is gone.
-async fn stop_process(pid: u32, marker: &str) {
-    if !process_alive(pid, marker) {
-        return;
-    }
-    unsafe {
-        libc::kill(pid as i32, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + STOP_GRACE;
-    while process_alive(pid, marker) {
-        if Instant::now() > deadline {
-            unsafe {
-                libc::kill(pid as i32, libc::SIGKILL);
-            }
-            let hard = Instant::now() + Duration::from_secs(2);
-            while process_alive(pid, marker) && Instant::now() < hard {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

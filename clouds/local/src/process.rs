@@ -1,0 +1,292 @@
+//! The processes the local cloud starts, and how it knows them again.
+//!
+//! A pid alone may name another process later (pids are reused), and a node's
+//! id can be in anyone's arguments (an operator's `tail -f` of its log, node
+//! `x-<id>` beside node `<id>`). So a process is ours only while three things
+//! hold: its arguments have our exact `flag value` pair (`--node-id <id>`, or a
+//! distributor's `--status <file>`), its executable is the binary we started,
+//! and its start time is the one recorded when we started it. Signals go
+//! through a pidfd opened before those checks, so that a process that exits
+//! meanwhile cannot hand its pid to the one we signal.
+
+use crate::{fail, log_tail};
+use lbscale_engine::cloud::{CloudError, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// SIGTERM grace before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// A process this cloud started, as recorded when it started.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct Started {
+    pub pid: u32,
+    /// Field 22 of /proc/PID/stat (clock ticks after boot). 0 in records made
+    /// before it was kept: then the executable and the arguments decide.
+    pub start_time: u64,
+    /// The executable it runs. Empty in records made before it was kept: then
+    /// any executable named `lbscale-node`.
+    pub exe: PathBuf,
+}
+
+/// The argument pair that says which node or distributor a process serves.
+pub(crate) struct Mark {
+    flag: &'static str,
+    value: String,
+}
+
+impl Mark {
+    pub fn node(id: &str) -> Mark {
+        Mark {
+            flag: "--node-id",
+            value: id.to_string(),
+        }
+    }
+
+    /// A distributor is named by its status file, which is under its own directory.
+    pub fn distributor(dir: &Path) -> Mark {
+        Mark {
+            flag: "--status",
+            value: dir.join("status.json").display().to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Mark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.flag, self.value)
+    }
+}
+
+/// What /proc/PID/stat says: whether the process has exited (a zombie waits
+/// only for its parent to reap it) and its start time.
+fn stat(pid: u32) -> Option<(bool, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything.
+    let (_, rest) = text.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `fields[0]` is field 3 (the state), so field 22 is `fields[19]`.
+    let exited = matches!(fields.first(), Some(&"Z") | Some(&"X"));
+    Some((exited, fields.get(19)?.parse().ok()?))
+}
+
+/// The executable of `pid`; a binary replaced since it started (a rebuild)
+/// still counts as the path it was started from.
+fn exe(pid: u32) -> Option<PathBuf> {
+    let link = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let text = link.to_string_lossy();
+    Some(match text.strip_suffix(" (deleted)") {
+        Some(p) => PathBuf::from(p),
+        None => link,
+    })
+}
+
+/// Whether `pid`'s arguments have `mark`'s flag followed by exactly its value.
+fn has_mark(pid: u32, mark: &Mark) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    args.windows(2)
+        .any(|w| w[0] == mark.flag.as_bytes() && w[1] == mark.value.as_bytes())
+}
+
+/// Whether `p` still runs and is the process we started for `mark`.
+pub(crate) fn is_ours(p: &Started, mark: &Mark) -> bool {
+    if p.pid == 0 {
+        return false;
+    }
+    let Some((exited, start_time)) = stat(p.pid) else {
+        return false;
+    };
+    if exited || (p.start_time != 0 && start_time != p.start_time) {
+        return false;
+    }
+    let exe_ok = match exe(p.pid) {
+        Some(e) if p.exe.as_os_str().is_empty() => e.file_name() == Some("lbscale-node".as_ref()),
+        Some(e) => e == p.exe,
+        None => false,
+    };
+    exe_ok && has_mark(p.pid, mark)
+}
+
+/// Running processes that are ours for `mark`, started from `exe` (empty:
+/// any `lbscale-node`), whenever they started: for a process whose pid was
+/// never recorded.
+pub(crate) fn find(mark: &Mark, exe: &Path) -> Vec<Started> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != std::process::id())
+        .filter_map(|pid| {
+            let p = Started {
+                pid,
+                start_time: stat(pid)?.1,
+                exe: exe.to_path_buf(),
+            };
+            is_ours(&p, mark).then_some(p)
+        })
+        .collect()
+}
+
+/// Sends `signal` to `p` if it is still ours for `mark`; whether it was sent.
+fn signal(p: &Started, mark: &Mark, signal: i32) -> bool {
+    // SAFETY: plain system calls on integers; the descriptor is closed below.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, p.pid as libc::pid_t, 0) } as i32;
+    let sent = is_ours(p, mark)
+        && if pidfd >= 0 {
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd,
+                    signal,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                ) == 0
+            }
+        } else {
+            // No pidfds (a kernel before 5.3): the checks just made will do.
+            unsafe { libc::kill(p.pid as libc::pid_t, signal) == 0 }
+        };
+    if pidfd >= 0 {
+        unsafe {
+            libc::close(pidfd);
+        }
+    }
+    sent
+}
+
+/// SIGTERM, then SIGKILL after the grace period; returns once the process is
+/// gone. Does nothing to a process that is not ours for `mark`.
+pub(crate) async fn stop(p: &Started, mark: &Mark) {
+    if !signal(p, mark, libc::SIGTERM) {
+        return;
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while is_ours(p, mark) {
+        if Instant::now() > deadline {
+            signal(p, mark, libc::SIGKILL);
+            let hard = Instant::now() + Duration::from_secs(2);
+            while is_ours(p, mark) && Instant::now() < hard {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Starts `bin args` in a session of its own, stdio to `log`, and does not wait
+/// for it; `args` must hold `mark`. A thread reaps it if it ends while we still
+/// run; otherwise init does. Returns what identifies it from now on.
+pub(crate) fn spawn_detached(
+    bin: &Path,
+    args: &[String],
+    log: &Path,
+    mark: &Mark,
+) -> Result<Started> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::fs::canonicalize(bin).map_err(|e| fail("find", bin, e))?;
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| fail("open the log", log, e))?;
+    let err = out.try_clone().map_err(|e| fail("open the log", log, e))?;
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        // Backtraces in a node's log are useful; the provider's environment is not.
+        .env_remove("TF_LOG")
+        .process_group(0);
+    // Terraform hands the provider pipes that are not close-on-exec; a node that
+    // kept them would hold Terraform's output open long after the provider exits.
+    // Mark every inherited descriptor close-on-exec (closing them here would also
+    // close the pipe through which std reports a failed exec).
+    unsafe {
+        cmd.pre_exec(|| {
+            const CLOSE_RANGE_CLOEXEC: u32 = 1 << 2;
+            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) != 0 {
+                for fd in 3..4096 {
+                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| CloudError::Failed(format!("could not start {}: {e}", bin.display())))?;
+    // Not reaped yet, so the pid is still this child's: its start time is
+    // read race-free (the start time is the fork's, an exec keeps it).
+    let pid = child.id();
+    let started = Started {
+        pid,
+        start_time: stat(pid).map_or(0, |(_, t)| t),
+        exe,
+    };
+    // Liveness checks look at /proc/PID/exe and cmdline: make sure they show
+    // the new program before anyone looks.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while started.start_time == 0 || !is_ours(&started, mark) {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(CloudError::Failed(format!(
+                "{} exited at once ({status}): {}",
+                bin.display(),
+                log_tail(log)
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(CloudError::Failed(format!(
+                "{} did not start within 5s (its arguments should hold {mark})",
+                bin.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    });
+    Ok(started)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_start_time_is_field_22_whatever_the_command_name() {
+        let (exited, t) = stat(std::process::id()).unwrap();
+        assert!(!exited);
+        assert!(t > 0);
+        // Another process started later has a later (or equal) start time.
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let (_, t2) = stat(child.id()).unwrap();
+        assert!(t2 >= t, "{t2} < {t}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_record_without_start_time_or_exe_still_reads() {
+        let s: Started = serde_json::from_str(r#"{"pid":7}"#).unwrap();
+        assert_eq!(
+            s,
+            Started {
+                pid: 7,
+                ..Started::default()
+            }
+        );
+    }
+}
