@@ -14,8 +14,14 @@ use lbscale_engine::model::{
 };
 use lbscale_engine::store::NodeState;
 use lbscale_engine::{Engine, EngineError};
+use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
+use lbscale_proto::{
+    ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest,
+};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The workspace's `lbscale-node`, built next to this test's own binary.
@@ -646,7 +652,12 @@ async fn a_node_whose_publication_failed_is_not_listed_as_served() {
 
     assert!(s.engine.settle_publication(&s.distributor).await.unwrap());
     assert_eq!(s.published().len(), 2, "the joined node is handed out");
-    let listed = s.engine.distributor_view(&s.distributor).unwrap().unwrap().endpoints;
+    let listed = s
+        .engine
+        .distributor_view(&s.distributor)
+        .unwrap()
+        .unwrap()
+        .endpoints;
     assert_eq!(listed.len(), 2);
     assert!(
         !s.engine.settle_publication(&s.distributor).await.unwrap(),
@@ -682,7 +693,10 @@ async fn a_dead_node_leaves_dns_once_the_distributor_can_be_written_again() {
 
     std::fs::remove_dir(&config).unwrap();
     std::fs::write(&config, saved).unwrap();
-    assert!(s.published().contains(&dead.private_ip), "still the old answer");
+    assert!(
+        s.published().contains(&dead.private_ip),
+        "still the old answer"
+    );
     s.engine.reconcile_group(&s.group).await.unwrap();
     assert!(!s.published().contains(&dead.private_ip), "out of DNS");
     assert!(s.rows().iter().all(|n| n.id != dead.id), "row forgotten");
@@ -721,7 +735,11 @@ async fn a_scale_out_waiting_for_its_az_while_the_group_is_destroyed_leaves_noth
         );
     }
     assert!(store.group(&s.group).unwrap().is_none());
-    assert!(s.processes().is_empty(), "node processes left: {:?}", s.processes());
+    assert!(
+        s.processes().is_empty(),
+        "node processes left: {:?}",
+        s.processes()
+    );
     s.assert_consistent("after the destroy");
 }
 
@@ -739,10 +757,203 @@ async fn a_destroy_that_stopped_half_way_is_finished_not_undone() {
     assert!(s.engine.group_being_deleted(&s.group).unwrap());
     let e = s.engine.reconcile_group(&s.group).await.unwrap_err();
     assert!(e.to_string().contains("is being destroyed"), "{e}");
-    let e = s.engine.scale_out(&s.group, "az1", "test").await.unwrap_err();
+    let e = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("is being destroyed"), "{e}");
     s.engine.delete_group(&s.group).await.expect("finished");
     assert!(!s.engine.group_being_deleted(&s.group).unwrap());
-    assert!(s.processes().is_empty(), "node processes left: {:?}", s.processes());
+    assert!(
+        s.processes().is_empty(),
+        "node processes left: {:?}",
+        s.processes()
+    );
     s.assert_consistent("after the destroy was finished");
+}
+
+// --- drain ---------------------------------------------------------------------
+
+/// A node management API on loopback, where the leaving node's row says its
+/// node is: it refuses its first calls (as an overloaded node, or something in
+/// front of it, may) or never answers, then says there are no connections.
+/// A stand-in, because what is tested is the engine's side of a drain.
+#[derive(Clone)]
+struct StandInNode {
+    refusals: usize,
+    stall: bool,
+    calls: Arc<AtomicUsize>,
+}
+
+impl StandInNode {
+    /// Serves on `ip` at the nodes' API port; returns once it listens.
+    async fn start(ip: &str, port: u16, refusals: usize, stall: bool) -> StandInNode {
+        let node = StandInNode {
+            refusals,
+            stall,
+            calls: Arc::default(),
+        };
+        let addr: std::net::SocketAddr = format!("{ip}:{port}").parse().unwrap();
+        let service = NodeApiServer::new(node.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve(addr),
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the stand-in API did not listen on {addr}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        node
+    }
+
+    async fn answer(&self) -> Result<u64, tonic::Status> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.stall {
+            std::future::pending::<()>().await;
+        }
+        if n < self.refusals {
+            return Err(tonic::Status::internal("stand-in: connections unavailable"));
+        }
+        Ok(0)
+    }
+}
+
+#[tonic::async_trait]
+impl NodeApi for StandInNode {
+    async fn configure(
+        &self,
+        _: tonic::Request<NodeConfig>,
+    ) -> Result<tonic::Response<ConfigureReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented(
+            "the stand-in takes no configuration",
+        ))
+    }
+    async fn drain(
+        &self,
+        _: tonic::Request<DrainRequest>,
+    ) -> Result<tonic::Response<DrainReply>, tonic::Status> {
+        let active_connections = self.answer().await?;
+        Ok(tonic::Response::new(DrainReply { active_connections }))
+    }
+    async fn get_stats(
+        &self,
+        _: tonic::Request<StatsRequest>,
+    ) -> Result<tonic::Response<NodeStats>, tonic::Status> {
+        let active_connections = self.answer().await?;
+        Ok(tonic::Response::new(NodeStats {
+            active_connections,
+            ..NodeStats::default()
+        }))
+    }
+}
+
+/// How the leaving node's drain went: how long after the TTL its
+/// deprovisioning began, and what the drain's event said.
+struct DrainSeen {
+    after_ttl_ms: i64,
+    reason: String,
+}
+
+/// Scales out to two nodes, points the newest one's row at `ip` (a stand-in
+/// API, or nothing), and scales in: the real node process still runs, so the
+/// cloud says the node is there while its API fails.
+async fn scale_in_through(s: &Stack, ip: &str) -> DrainSeen {
+    s.engine.scale_out(&s.group, "az1", "test").await.unwrap();
+    let mut newest = s.rows().into_iter().max_by_key(|n| n.seq).unwrap();
+    newest.private_ip = ip.into();
+    s.engine.testing_store().update_node(&newest).unwrap();
+    let gone = s
+        .engine
+        .scale_in_one(&s.group, "az1", "test")
+        .await
+        .expect("the scale-in");
+    assert_eq!(gone, newest.id);
+    s.assert_consistent("after the scale-in");
+    let mut events = s.engine.events(&s.group, 200).unwrap();
+    events.sort_by_key(|e| e.time_ms);
+    let last = |kind: &str| {
+        events
+            .iter()
+            .rev()
+            .find(|e| e.kind == kind)
+            .unwrap_or_else(|| panic!("no {kind} event"))
+    };
+    DrainSeen {
+        after_ttl_ms: last("deprovision_start").time_ms - last("ttl_end").time_ms,
+        reason: last("drain_end").reason.clone(),
+    }
+}
+
+/// The stack's drain timeout (1 s), less the store clock's rounding.
+const DRAIN_MS: i64 = 990;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_whose_connections_query_fails_is_drained_until_the_deadline() {
+    let s = Stack::up("flt_drain_refused", "127.98.").await;
+    let api = StandInNode::start("127.98.250.2", 9990, usize::MAX, false).await;
+    let seen = scale_in_through(&s, "127.98.250.2").await;
+    assert!(
+        seen.after_ttl_ms >= DRAIN_MS,
+        "deprovisioned {} ms into a 1 s drain whose connections were unknown",
+        seen.after_ttl_ms
+    );
+    assert!(
+        seen.reason.contains("connections unknown") && seen.reason.contains("unavailable"),
+        "{}",
+        seen.reason
+    );
+    // Asked again, not once.
+    assert!(api.calls.load(Ordering::SeqCst) >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_whose_api_cannot_be_reached_is_drained_until_the_deadline() {
+    let s = Stack::up("flt_drain_unreachable", "127.99.").await;
+    // Nothing listens there: every connection is refused.
+    let seen = scale_in_through(&s, "127.99.250.2").await;
+    assert!(
+        seen.after_ttl_ms >= DRAIN_MS,
+        "deprovisioned {} ms into a 1 s drain whose node could not be reached",
+        seen.after_ttl_ms
+    );
+    assert!(
+        seen.reason.contains("connections unknown") && seen.reason.contains("unreachable"),
+        "{}",
+        seen.reason
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_does_not_answer_is_drained_until_the_deadline_and_no_longer() {
+    let s = Stack::up("flt_drain_stalled", "127.76.").await;
+    StandInNode::start("127.76.250.2", 9990, 0, true).await;
+    let seen = scale_in_through(&s, "127.76.250.2").await;
+    assert!(seen.after_ttl_ms >= DRAIN_MS, "{}", seen.after_ttl_ms);
+    // Each call is bounded by the drain deadline, not by the API client's
+    // own 10 s call timeout.
+    assert!(
+        seen.after_ttl_ms < 5_000,
+        "a stalled node held a 1 s drain for {} ms",
+        seen.after_ttl_ms
+    );
+    assert!(
+        seen.reason.contains("connections unknown") && seen.reason.contains("did not answer"),
+        "{}",
+        seen.reason
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_whose_connections_are_read_after_an_error_ends_as_drained() {
+    let s = Stack::up("flt_drain_recovers", "127.75.").await;
+    let api = StandInNode::start("127.75.250.2", 9990, 1, false).await;
+    let seen = scale_in_through(&s, "127.75.250.2").await;
+    assert!(seen.reason.ends_with(" drained"), "{}", seen.reason);
+    assert!(api.calls.load(Ordering::SeqCst) >= 2);
 }

@@ -90,13 +90,13 @@ impl Engine {
         let drain_until = (Instant::now() + spec.drain_timeout()).min(deadline);
         for n in nodes.iter_mut().filter(|n| n.state == NodeState::Draining) {
             lease.check()?;
-            self.drain(cloud, n, &token, drain_until, deadline).await?;
+            let drained = self.drain(cloud, n, &token, drain_until, deadline).await?;
             lease.check()?;
             self.store.record_event(
                 &group.id,
                 Some(&n.az),
                 "drain_end",
-                &format!("node {} drained", n.id),
+                &format!("node {} {drained}", n.id),
             )?;
             n.state = NodeState::Deprovisioning;
             self.store.update_node(n)?;
@@ -192,9 +192,11 @@ impl Engine {
     }
 
     /// Step 4, one node: tells it to drain and waits until it has no
-    /// connections left or `drain_until` passes. A node that is gone or does
-    /// not answer has nothing to drain. Past the workflow's `deadline`, a node
-    /// that still has connections is a timeout.
+    /// connections left or `drain_until` passes. A node the cloud says is gone
+    /// has nothing to drain. One that does not answer, or whose connections
+    /// cannot be read, may still have clients: its count is unknown, not zero,
+    /// and it is asked again until `drain_until`. Past the workflow's
+    /// `deadline`, a node that may still have connections is a timeout.
     async fn drain(
         &self,
         cloud: &dyn Cloud,
@@ -202,31 +204,46 @@ impl Engine {
         token: &str,
         drain_until: Instant,
         deadline: Instant,
-    ) -> Result<()> {
-        if !cloud.is_alive(n).await.unwrap_or(true) {
-            return Ok(());
-        }
-        let Ok(mut c) = NodeClient::connect(&n.private_ip, cloud.api_port(n), token).await else {
-            return Ok(());
+    ) -> Result<Drained> {
+        let mut api = DrainingNode {
+            ip: &n.private_ip,
+            port: cloud.api_port(n),
+            token,
+            client: None,
+            told: false,
         };
-        let left = drain_until.saturating_duration_since(Instant::now());
-        let _ = c.drain(left).await;
+        let mut unknown_logged = false;
         loop {
-            let conns = c.stats().await.map(|s| s.active_connections).unwrap_or(0);
-            if conns == 0 {
-                return Ok(());
-            }
-            if Instant::now() >= drain_until {
-                if drain_until >= deadline && Instant::now() >= deadline {
+            let last = match api.connections(drain_until).await {
+                Ok(0) => return Ok(Drained::Empty),
+                Ok(count) => Drained::Left(count),
+                Err(e) => {
+                    if !cloud.is_alive(n).await.unwrap_or(true) {
+                        return Ok(Drained::Gone);
+                    }
+                    if !unknown_logged {
+                        unknown_logged = true;
+                        tracing::warn!(node = %n.id, error = %e, "connections of a draining node unknown; asking again until the drain deadline");
+                    }
+                    Drained::Unknown(e)
+                }
+            };
+            let now = Instant::now();
+            if now >= drain_until {
+                if drain_until >= deadline && now >= deadline {
                     return Err(EngineError::Timeout {
                         step: "drain the node",
                         after_s: 0,
-                        detail: format!("node {} still had {conns} connection(s)", n.id),
+                        detail: format!("node {} {last}", n.id),
                     });
                 }
-                return Ok(());
+                return Ok(last);
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            let pause = match last {
+                Drained::Unknown(_) => UNKNOWN_POLL,
+                _ => DRAIN_POLL,
+            };
+            tokio::time::sleep_until((now + pause).min(drain_until).into()).await;
         }
     }
 
@@ -263,3 +280,90 @@ impl Engine {
 
 /// How long a best-effort configuration push (while nodes leave) may take.
 const CONFIG_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a draining node's connections are read.
+const DRAIN_POLL: Duration = Duration::from_millis(200);
+/// How often they are read again while they cannot be (and the cloud asked
+/// whether the node is still there).
+const UNKNOWN_POLL: Duration = Duration::from_secs(1);
+/// The least time one reading gets, even at the drain deadline.
+const MIN_POLL_TIME: Duration = Duration::from_millis(500);
+
+/// How one node's drain ended.
+#[derive(Debug)]
+enum Drained {
+    /// No connections left.
+    Empty,
+    /// The cloud says the node is gone: nothing to drain.
+    Gone,
+    /// The drain deadline came with this many connections open.
+    Left(u64),
+    /// The drain deadline came while the connections could not be read (why).
+    Unknown(String),
+}
+
+impl std::fmt::Display for Drained {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Drained::Empty => write!(f, "drained"),
+            Drained::Gone => write!(f, "is gone: nothing to drain"),
+            Drained::Left(n) => write!(f, "reached the drain deadline with {n} connection(s) open"),
+            Drained::Unknown(e) => write!(
+                f,
+                "reached the drain deadline with its connections unknown ({e})"
+            ),
+        }
+    }
+}
+
+/// The management API of a node that drains, connected to on first use and
+/// again after an error.
+struct DrainingNode<'a> {
+    ip: &'a str,
+    port: u16,
+    token: &'a str,
+    client: Option<NodeClient>,
+    /// Whether the node has acknowledged the drain request.
+    told: bool,
+}
+
+impl DrainingNode<'_> {
+    /// The node's open connections now, telling it to drain first until it
+    /// has taken that. Bounded by `drain_until` (with at least
+    /// [`MIN_POLL_TIME`]), so that a node that stalls does not hold the
+    /// drain past its deadline.
+    async fn connections(&mut self, drain_until: Instant) -> std::result::Result<u64, String> {
+        let limit = drain_until
+            .saturating_duration_since(Instant::now())
+            .max(MIN_POLL_TIME);
+        let read = async {
+            // Kept only after an answer: after an error, a fresh connection
+            // (this one may be what is broken).
+            let mut client = match self.client.take() {
+                Some(c) => c,
+                None => NodeClient::connect(self.ip, self.port, self.token)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            };
+            let count = if self.told {
+                client.stats().await.map(|s| s.active_connections)
+            } else {
+                let left = drain_until.saturating_duration_since(Instant::now());
+                let count = client.drain(left).await;
+                self.told = count.is_ok();
+                count
+            };
+            let count = count.map_err(|e| e.to_string())?;
+            self.client = Some(client);
+            Ok(count)
+        };
+        match tokio::time::timeout(limit, read).await {
+            Ok(out) => out,
+            Err(_) => Err(format!(
+                "node management API at {}:{} did not answer within {}ms",
+                self.ip,
+                self.port,
+                limit.as_millis()
+            )),
+        }
+    }
+}
