@@ -141,11 +141,14 @@ fn pid_of(handle: &serde_json::Value) -> u32 {
 /// arguments show `expect` (after its exec). The caller kills and waits.
 #[allow(clippy::zombie_processes)]
 fn start(program: &str, args: &[&str], expect: &str) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
     // Not the test's output: a process left behind must not hold it open.
     let mut child = std::process::Command::new(program)
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
+        // Its own process group, so that its children (bash's sleep) go with it.
+        .process_group(0)
         .spawn()
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -226,7 +229,9 @@ async fn removing_a_node_kills_no_process_that_only_mentions_its_id() {
             "process {} was killed with node {id}",
             b.id()
         );
-        b.kill().unwrap();
+        unsafe {
+            libc::kill(-(b.id() as i32), libc::SIGKILL);
+        }
         b.wait().unwrap();
     }
     cloud.deprovision(&other_row).await.unwrap();
