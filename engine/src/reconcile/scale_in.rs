@@ -99,7 +99,7 @@ impl Engine {
                 &format!("node {} {drained}", n.id),
             )?;
             n.state = NodeState::Deprovisioning;
-            self.store.update_node(n)?;
+            self.store.update_node_under(lease.lease(), n)?;
             fault_point("after_drain");
         }
         self.deprovision_and_forget(cloud, &group.id, &nodes, lease)
@@ -129,7 +129,7 @@ impl Engine {
             if n.state != NodeState::Deprovisioning {
                 n.state = NodeState::Draining;
             }
-            self.store.update_node(n)?;
+            self.store.update_node_under(lease.lease(), n)?;
         }
         fault_point("after_deregister");
         Ok(())
@@ -266,7 +266,7 @@ impl Engine {
             cloud.deprovision(n).await?;
             fault_point("after_deprovision_before_delete");
             lease.check()?;
-            self.store.delete_node(&n.id)?;
+            self.store.delete_node_under(lease.lease(), &n.id)?;
             self.store.record_event(
                 group_id,
                 Some(&n.az),
