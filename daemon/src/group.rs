@@ -480,10 +480,10 @@ fn resume_failed(
         &row.id,
         None,
         "resume_failed",
-        &format!(
-            "resuming ({why}) failed {} time(s) in a row: {e}; retrying in {wait}",
-            b.failures
-        ),
+        // The same words each time, so that repeats collapse into one event
+        // with a count; the failures in a row and the next try are in the
+        // group's status (`resume_backoff`).
+        &format!("resuming ({why}) failed: {e}"),
     );
     shared.update_status(&row.id, |s| {
         s.resume_backoff = Some(ResumeWait {
