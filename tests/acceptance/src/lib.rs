@@ -118,7 +118,20 @@ pub fn terraforms() -> Vec<TerraformCli> {
 }
 
 /// The environment variables that the aws cloud's settings fall back to.
-pub const AWS_ENV: [&str; 9] = [
+pub const AWS_ENV: [&str; 22] = [
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_ROLE_ARN",
+    "AWS_ROLE_SESSION_NAME",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+    "LBSCALE_AWS_ROLE_ARN",
+    "LBSCALE_AWS_EXTERNAL_ID",
+    "LBSCALE_AWS_ROLE_SESSION_NAME",
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
     "AWS_ENDPOINT_URL",
