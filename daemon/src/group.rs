@@ -242,7 +242,7 @@ pub async fn evaluate(
     if resume(shared, rt, row, now).await? {
         return Ok(Next::Requeue(interval));
     }
-    settle_publication(shared, row, interval).await?;
+    settle_publication(shared, row, interval);
     let Some(seen) = observe(shared, rt, row).await? else {
         return Ok(Next::Requeue(interval)); // gone meanwhile
     };
@@ -374,25 +374,31 @@ async fn finish_deletion(shared: &Shared, row: &Row<GroupSpec>) -> Result<bool, 
 /// interval per distributor, what it serves (as its driver confirmed) is
 /// compared with what the store says it must hand out, and published again
 /// when they differ, so a publication that failed (a throttled or unwritable
-/// distributor) is retried, with the group's error back-off, until it holds.
-async fn settle_publication(
-    shared: &Shared,
-    row: &Row<GroupSpec>,
-    interval: Duration,
-) -> Result<(), EvalError> {
-    let distributor = &row.spec.traffic_distributor_id;
-    if !shared.publication_check_due(distributor, interval) {
-        return Ok(());
+/// distributor) is retried until it holds. In a task of its own: a publication
+/// may wait for the distributor's lease or for the cloud to confirm it, and
+/// that must not hold up the group's AZs; a failure is reported and tried
+/// again at the next check.
+fn settle_publication(shared: &Arc<Shared>, row: &Row<GroupSpec>, interval: Duration) {
+    let distributor = row.spec.traffic_distributor_id.clone();
+    if !shared.publication_check_due(&distributor, interval) {
+        return;
     }
-    let published = shared
-        .engine
-        .settle_publication(distributor)
-        .await
-        .map_err(|e| EvalError::new("publish the traffic distributor", e))?;
-    if published {
-        tracing::info!(group = %row.spec.name, distributor = %distributor, "the traffic distributor did not serve what the store says: published again");
-    }
-    Ok(())
+    let (shared, id, name) = (shared.clone(), row.id.clone(), row.spec.name.clone());
+    tokio::spawn(async move {
+        match shared.engine.settle_publication(&distributor).await {
+            Ok(true) => {
+                tracing::info!(group = %name, distributor = %distributor, "the traffic distributor did not serve what the store says: published again")
+            }
+            Ok(false) => {}
+            Err(e) => report_error(
+                &shared,
+                &id,
+                &name,
+                "publish the traffic distributor",
+                &e.to_string(),
+            ),
+        }
+    });
 }
 
 /// Resume: the first time this daemon evaluates the group, and whenever the

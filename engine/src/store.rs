@@ -93,8 +93,8 @@ const MIGRATIONS: &[&str] = &[
     UPDATE events SET last_ms = time_ms;
     CREATE INDEX events_by_age ON events (group_id, last_ms);
     "#,
-    // 5 -> 6: what each distributor's driver last confirmed it serves (a
-    // publication, as JSON; NULL: nothing confirmed yet), so that a publication
+    // 5 -> 6: what each distributor's driver last confirmed it serves (its
+    // settings and publication, as JSON; NULL: nothing confirmed yet), so that a publication
     // that failed is seen as unfinished work and retried until it is served.
     r#"
     ALTER TABLE distributors ADD COLUMN served TEXT;

@@ -792,24 +792,3 @@ async fn standalone_http_round_robin() {
     }
     assert_eq!(bodies, vec!["alpha", "beta", "alpha", "beta"]);
 }
-
-/// The configuration version is the engine's fence: a configuration older than
-/// the one applied (sent by a writer whose lease ended) is refused and changes
-/// nothing; the same version again is accepted (a retried push).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_older_configuration_version_is_refused() {
-    let node = start_node("fence", "127.77.21.1");
-    let mut cl = client(&node).await;
-    assert_eq!(configure(&mut cl, 5, vec![]).await, 5);
-    let e = cl
-        .configure(NodeConfig {
-            version: 4,
-            ..Default::default()
-        })
-        .await
-        .expect_err("an older version must be refused");
-    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
-    assert!(e.message().contains("older than the applied version 5"), "{}", e.message());
-    assert_eq!(configure(&mut cl, 5, vec![]).await, 5);
-    assert_eq!(configure(&mut cl, 6, vec![]).await, 6);
-}

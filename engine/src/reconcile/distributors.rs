@@ -23,6 +23,14 @@ pub struct DistributorView {
     pub address: BTreeMap<String, String>,
 }
 
+/// What a distributor's driver last confirmed: the settings it was published
+/// with (a TTL or domain change is a publication too) and what it hands out.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Served {
+    spec: DistributorSpec,
+    publication: Publication,
+}
+
 /// How long a publication waits for another process's publication to the same
 /// distributor (each takes at most the driver's own publish timeout: a Route 53
 /// change may take two minutes to be in sync, plus its calls' retries).
@@ -97,7 +105,7 @@ impl Engine {
             return Ok(None);
         };
         let driver = self.distributor_driver(row.spec.cloud)?;
-        let served = self.served(id)?.unwrap_or_default();
+        let served = self.served(id)?.map(|s| s.publication).unwrap_or_default();
         Ok(Some(DistributorView {
             endpoints: served.endpoints.values().flatten().cloned().collect(),
             address: driver.addresses(id, &row.spec),
@@ -108,7 +116,7 @@ impl Engine {
 
     /// What the distributor's driver last confirmed it hands out; `None` before
     /// its first confirmed publication.
-    fn served(&self, distributor_id: &str) -> Result<Option<Publication>> {
+    fn served(&self, distributor_id: &str) -> Result<Option<Served>> {
         let Some(json) = self.store.served_publication(distributor_id)? else {
             return Ok(None);
         };
@@ -125,10 +133,14 @@ impl Engine {
     /// returns whether it did. The daemon calls it for every distributor, so a
     /// failed publication is retried until it is served.
     pub async fn settle_publication(&self, distributor_id: &str) -> Result<bool> {
-        if self.store.distributor(distributor_id)?.is_none() {
+        let Some(row) = self.store.distributor(distributor_id)? else {
             return Ok(false);
-        }
-        if self.served(distributor_id)? == Some(self.publication(distributor_id)?) {
+        };
+        let wanted = Served {
+            spec: row.spec,
+            publication: self.publication(distributor_id)?,
+        };
+        if self.served(distributor_id)?.as_ref() == Some(&wanted) {
             return Ok(false);
         }
         self.publish(distributor_id).await?;
@@ -255,7 +267,11 @@ impl Engine {
                 detail: e.to_string(),
             })?;
         // Only now, confirmed by the driver, is it what the distributor serves.
-        let served = serde_json::to_string(&publication).expect("publications serialise");
+        let served = Served {
+            spec: row.spec,
+            publication,
+        };
+        let served = serde_json::to_string(&served).expect("publications serialise");
         self.store.set_served_publication(distributor_id, &served)?;
         Ok(())
     }

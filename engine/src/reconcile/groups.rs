@@ -130,6 +130,12 @@ impl Engine {
         let budget =
             group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
         let lease = self.lease(id, Instant::now() + budget).await?;
+        // Under the lease: another destroy (the daemon finishing this one) may
+        // have deleted it meanwhile.
+        let Some(group) = self.store.group(id)? else {
+            lease.release();
+            return Ok(());
+        };
         // From here on the group is on its way out: a destroy that stops (its
         // process killed mid-drain) is finished by the next destroy or by the
         // daemon, never undone by a resume (docs/design.md, section 3).

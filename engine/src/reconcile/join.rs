@@ -379,6 +379,8 @@ impl Engine {
         let deadline = Instant::now() + per_node * (old.len() as u32).max(1);
         let lease = self.lease(group_id, deadline).await?;
         let out = async {
+            let group = self.group_row(group_id)?;
+            self.refuse_if_deleting(&group)?;
             let cloud = self.cloud(group.spec.cloud)?;
             let token = self.group_token(group_id)?;
             let config = self.node_config(group_id, self.store.config_version(group_id)?)?;

@@ -28,6 +28,7 @@ impl Engine {
         let out = async {
             // As it is now, under the lease: a destroy may have ended meanwhile.
             let group = self.group_row(group_id)?;
+            self.refuse_if_deleting(&group)?;
             let members: Vec<NodeRow> = self
                 .store
                 .nodes_of_group(group_id)?

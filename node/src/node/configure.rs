@@ -219,16 +219,6 @@ impl Node {
             validate(&cfg, self.common.dialer.source()).map_err(Status::invalid_argument)?;
         let resolved = resolve_names(&cfg).await;
         let mut inner = self.inner.lock().await;
-        // The version is the engine's fence (a counter the store raises with
-        // every change): a configuration older than the one applied comes from
-        // a writer that lost its turn, and must not undo a newer one.
-        let applied = self.version.load(Ordering::Relaxed);
-        if cfg.version < applied {
-            return Err(Status::failed_precondition(format!(
-                "configuration version {} is older than the applied version {applied}: refused (sent by a writer whose turn ended)",
-                cfg.version
-            )));
-        }
         if self.draining.load(Ordering::Relaxed) {
             // A draining node takes no new connections: record the version only.
             self.version.store(cfg.version, Ordering::Relaxed);
