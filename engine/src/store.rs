@@ -1066,8 +1066,6 @@ impl Store {
         })
         .map(|v| v.unwrap_or(0) as u64)
     }
-    /// Deletes the group with its secret, leases (its own and the daemon's claim),
-    /// events and policy state (its nodes must be gone).
     /// Marks the group as being destroyed (see migration 6 -> 7).
     pub fn mark_group_deleting(&self, id: &str) -> Result<()> {
         self.with(|c| c.execute("UPDATE groups SET deleting = 1 WHERE id = ?1", vals![id]))?;
@@ -1078,6 +1076,8 @@ impl Store {
         let row = self.with(|c| c.one("SELECT deleting FROM groups WHERE id = ?1", vals![id]))?;
         row.map_or(Ok(false), |r| Ok(r.int(0)? != 0))
     }
+    /// Deletes the group with its secret, leases (its own and the daemon's claim),
+    /// events and policy state (its nodes must be gone).
     pub fn delete_group(&self, id: &str) -> Result<()> {
         let claim = daemon_claim_key(id);
         self.tx(|tx| {
