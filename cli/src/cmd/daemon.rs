@@ -53,13 +53,30 @@ environment:
   PATH                       where lbscale-node is looked for (local cloud)
   AWS_REGION                 aws cloud: the region (else AWS_DEFAULT_REGION)
   AWS_DEFAULT_REGION         aws cloud: the region when AWS_REGION is unset
-  AWS_ACCESS_KEY_ID          aws cloud: access key (static keys only)
+  AWS_ACCESS_KEY_ID          aws cloud: access key, first in the credential chain
   AWS_SECRET_ACCESS_KEY      aws cloud: secret key
-  AWS_SESSION_TOKEN          aws cloud: session token (read once, at start)
+  AWS_SESSION_TOKEN          aws cloud: session token with the keys above
+  AWS_PROFILE                aws cloud: the profile of the shared config and
+                             credentials files; default default
+  AWS_WEB_IDENTITY_TOKEN_FILE  aws cloud: a web identity token (with AWS_ROLE_ARN)
+  AWS_ROLE_ARN               aws cloud: the role a web identity token assumes
+  AWS_ROLE_SESSION_NAME      aws cloud: that role's session name
+  AWS_CONTAINER_CREDENTIALS_RELATIVE_URI  aws cloud: container credentials (ECS)
+  AWS_CONTAINER_CREDENTIALS_FULL_URI      aws cloud: container credentials (EKS, other)
+  AWS_CONTAINER_AUTHORIZATION_TOKEN(_FILE)  aws cloud: their authorization token
+  AWS_EC2_METADATA_SERVICE_ENDPOINT  aws cloud: the instance metadata service (IMDSv2)
+  AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE  aws cloud: IPv4 or IPv6 for it
+  AWS_METADATA_SERVICE_TIMEOUT  aws cloud: seconds per metadata request; default 1
+  AWS_EC2_METADATA_DISABLED  aws cloud: true skips the instance role
+  LBSCALE_AWS_ROLE_ARN       aws cloud: a role assumed over the credentials found
+  LBSCALE_AWS_EXTERNAL_ID    aws cloud: that role's external ID
+  LBSCALE_AWS_ROLE_SESSION_NAME  aws cloud: that role's session name
   AWS_ENDPOINT_URL           aws cloud: one endpoint for every AWS API
   AWS_CA_BUNDLE              aws cloud: PEM file of the CAs to trust instead of the system's
   LBSCALE_AWS_IMAGE_ID       aws cloud: the image nodes start from
   LBSCALE_AWS_INSTANCE_TYPE  aws cloud: the nodes' instance type; default c5.large
+  LBSCALE_EVENTS_MAX_PER_GROUP  events kept per group; default 1000
+  LBSCALE_EVENTS_MAX_AGE     how long an event is kept; default 720h
 ";
 
 /// Splits `--flag value` / `--flag=value` pairs.
