@@ -14,6 +14,9 @@ pub use lbscale_core::policy::Metric;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
+mod node;
+pub use node::{check_cidr, node_fields, NodeField, NodeSpec, AWS_MAX_SECURITY_GROUPS, AWS_MAX_USER_TAGS};
+
 pub const CLOUDS: &[&str] = &["local", "aws", "azure", "gcp"];
 pub const DISTRIBUTOR_MODES: &[&str] = &["dns", "nlb"];
 pub const METRICS: &[&str] = &["cpu", "memory", "throughput"];
@@ -132,11 +135,6 @@ pub struct ThresholdSpec {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NodeSizeSpec {
-    pub memory_limit_mb: i64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GroupSpec {
     pub name: String,
     pub cloud: CloudName,
@@ -150,7 +148,7 @@ pub struct GroupSpec {
     pub drain_timeout: DeclaredDuration,
     pub thresholds: Vec<ThresholdSpec>,
     /// `None` when the configuration has no `node` block (defaults apply).
-    pub node: Option<NodeSizeSpec>,
+    pub node: Option<NodeSpec>,
     pub apply_timeout: DeclaredDuration,
 }
 
@@ -159,6 +157,10 @@ impl GroupSpec {
         self.node
             .as_ref()
             .map_or(DEFAULT_MEMORY_LIMIT_MB, |n| n.memory_limit_mb)
+    }
+    /// The `node` block, or its defaults when there is none.
+    pub fn node_spec(&self) -> NodeSpec {
+        self.node.clone().unwrap_or_default()
     }
     pub fn drain_timeout(&self) -> Duration {
         self.drain_timeout.get()

@@ -5,7 +5,9 @@
 use lbscale_cloud_aws::moto_testing::{moto, unique, Moto};
 use lbscale_cloud_aws::{AwsCloud, AwsSettings, NODE_API_PORT};
 use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, Publication};
-use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec};
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
+};
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use serde_json::Value;
 use std::sync::Arc;
@@ -38,8 +40,13 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
     let req = ProvisionRequest {
         node_id: unique("n"),
         group_id: "g-aws".into(),
+        group_name: "g-aws".into(),
         az: "us-east-1b".into(),
         memory_limit_mb: 512,
+        node: NodeSpec {
+            memory_limit_mb: 512,
+            ..NodeSpec::default()
+        },
         token: token.clone(),
     };
     let p = cloud.provision(&req).await.expect("provision");
@@ -173,8 +180,13 @@ async fn errors_name_the_call_and_the_missing_setting() {
     let req = ProvisionRequest {
         node_id: unique("bad"),
         group_id: "g".into(),
+        group_name: "g".into(),
         az: "us-east-1z".into(),
         memory_limit_mb: 64,
+        node: NodeSpec {
+            memory_limit_mb: 64,
+            ..NodeSpec::default()
+        },
         token: "t".into(),
     };
     let e = AwsCloud::new(node_settings(&moto), DriverStore::new(store("errors")))

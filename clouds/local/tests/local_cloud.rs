@@ -3,6 +3,7 @@
 
 use lbscale_cloud_local::{LocalCloud, LocalSettings};
 use lbscale_engine::cloud::{Cloud, DriverStore, ProvisionRequest};
+use lbscale_engine::model::NodeSpec;
 use lbscale_engine::nodeapi::NodeClient;
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use std::path::PathBuf;
@@ -38,8 +39,13 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
     let req = ProvisionRequest {
         node_id: format!("t-az1-1-{}", std::process::id()),
         group_id: "g".into(),
+        group_name: "g".into(),
         az: "az1".into(),
         memory_limit_mb: 256,
+        node: NodeSpec {
+            memory_limit_mb: 256,
+            ..NodeSpec::default()
+        },
         token: token.clone(),
     };
     let p = cloud.provision(&req).await.expect("provision");
@@ -111,8 +117,13 @@ fn request(id: &str) -> ProvisionRequest {
     ProvisionRequest {
         node_id: id.into(),
         group_id: "g".into(),
+        group_name: "g".into(),
         az: "az1".into(),
         memory_limit_mb: 256,
+        node: NodeSpec {
+            memory_limit_mb: 256,
+            ..NodeSpec::default()
+        },
         token: "0123456789abcdef".repeat(4),
     }
 }

@@ -7,10 +7,10 @@
 //! how far apart the engine made it. Only for tests (the `testing` feature).
 
 use super::{
-    Cloud, CloudError, Distributor, DriverStore, Drivers, ProvisionRequest, Provisioned,
-    Publication, Result,
+    Cloud, CloudError, Distributor, DriverStore, Drivers, GroupResources, ProvisionRequest,
+    Provisioned, Publication, Result,
 };
-use crate::model::DistributorSpec;
+use crate::model::{DistributorSpec, NodeSpec};
 use crate::store::NodeRow;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -197,6 +197,16 @@ impl Cloud for FaultyCloud {
     }
     fn unusable(&self) -> Option<String> {
         self.inner.nodes.unusable()
+    }
+    fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
+        self.inner.nodes.node_unusable(node)
+    }
+    // Not a fault target: passed through as they are.
+    async fn prepare_group(&self, group: &GroupResources) -> Result<()> {
+        self.inner.nodes.prepare_group(group).await
+    }
+    async fn release_group(&self, group_id: &str) -> Result<()> {
+        self.inner.nodes.release_group(group_id).await
     }
 }
 

@@ -18,9 +18,9 @@ mod retry;
 
 pub use retry::Backoff;
 
-use crate::model::DistributorSpec;
+use crate::model::{DistributorSpec, NodeSpec};
 use crate::store::{NodeRow, Store};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -254,10 +254,58 @@ impl Registry {
 pub struct ProvisionRequest {
     pub node_id: String,
     pub group_id: String,
+    pub group_name: String,
     pub az: String,
+    /// `node.memory_limit_mb` (the boot scripts read it here).
     pub memory_limit_mb: i64,
+    /// The group's whole `node` block (its defaults when it has none): the
+    /// driver takes what its cloud supports (docs/resources/autoscale_group.md).
+    pub node: NodeSpec,
     /// The group's node API token (sensitive).
     pub token: String,
+}
+
+/// What a driver needs to keep a group's own cloud resources (the aws
+/// security group lbscale makes for it) in step with the group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupResources {
+    pub group_id: String,
+    pub group_name: String,
+    pub availability_zones: Vec<String>,
+    pub node: NodeSpec,
+    /// The ports that the group's vservers listen on, as clients reach them.
+    pub listeners: Vec<Listener>,
+}
+
+/// A port that clients reach the nodes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Listener {
+    pub port: u16,
+    pub protocol: Transport,
+}
+
+/// The transport of a vserver's port: HTTP and TCP vservers are TCP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Transport {
+    Tcp,
+    Udp,
+}
+
+impl Transport {
+    /// The transport of a vserver's `service_type` (`HTTP`, `TCP`, `UDP`).
+    pub fn of_service_type(service_type: &str) -> Transport {
+        if service_type == "UDP" {
+            Transport::Udp
+        } else {
+            Transport::Tcp
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Udp => "udp",
+        }
+    }
 }
 
 /// A node that exists in the cloud.
@@ -296,6 +344,23 @@ pub trait Cloud: Send + Sync {
     fn unusable(&self) -> Option<String> {
         None
     }
+    /// Why nodes of a group with this `node` block cannot be started (no
+    /// image in the block nor in the driver's settings, say), if they cannot.
+    fn node_unusable(&self, _node: &NodeSpec) -> Option<String> {
+        self.unusable()
+    }
+    /// Makes the group's own cloud resources, or brings them in step with
+    /// `group` (the security group lbscale makes for a group: its rules
+    /// follow the vservers). Idempotent; the engine calls it at every apply of
+    /// the group, before provisioning, and before a scale-out.
+    async fn prepare_group(&self, _group: &GroupResources) -> Result<()> {
+        Ok(())
+    }
+    /// Deletes what [`Cloud::prepare_group`] made; called once the group's
+    /// nodes are gone. Idempotent: what is already gone is fine.
+    async fn release_group(&self, _group_id: &str) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a distributor must hand out: per AZ, the serving nodes' addresses, and the
@@ -309,6 +374,11 @@ pub struct Publication {
     /// AZ -> port -> where an `nlb` sends that port when it is not every endpoint
     /// of the AZ (SE scale-out: the primary only, or the holders by flow hash).
     pub port_targets: BTreeMap<String, BTreeMap<u16, PortTargets>>,
+    /// AZ -> the subnets that the distributor's groups give there
+    /// (`node.subnets`); an AZ without one: the cloud's default subnet. An
+    /// `nlb` puts its load balancer in them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub subnets: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// The targets of one `nlb` port (see [`crate::placement`]).

@@ -8,8 +8,10 @@
 //! resumes there). A provisioning is not repeated in place: its failure
 //! removes whatever carries the node's id, and the next run starts another.
 
-use super::{Cloud, Distributor, Drivers, ProvisionRequest, Provisioned, Publication, Result};
-use crate::model::DistributorSpec;
+use super::{
+    Cloud, Distributor, Drivers, GroupResources, ProvisionRequest, Provisioned, Publication, Result,
+};
+use crate::model::{DistributorSpec, NodeSpec};
 use crate::store::NodeRow;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -102,6 +104,19 @@ impl Cloud for RetryingCloud {
     }
     fn unusable(&self) -> Option<String> {
         self.inner.unusable()
+    }
+    fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
+        self.inner.node_unusable(node)
+    }
+    async fn prepare_group(&self, group: &GroupResources) -> Result<()> {
+        self.backoff
+            .run("prepare_group", || self.inner.prepare_group(group))
+            .await
+    }
+    async fn release_group(&self, group_id: &str) -> Result<()> {
+        self.backoff
+            .run("release_group", || self.inner.release_group(group_id))
+            .await
     }
 }
 

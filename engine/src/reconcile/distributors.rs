@@ -169,6 +169,12 @@ impl Engine {
             ports.sort_unstable();
             ports.dedup();
             for az in &g.spec.availability_zones {
+                if let Some(subnet) = g.spec.node.as_ref().and_then(|n| n.subnet_for(az)) {
+                    p.subnets
+                        .entry(az.clone())
+                        .or_default()
+                        .insert(subnet.to_string());
+                }
                 p.endpoints.entry(az.clone()).or_default();
                 let e = p.ports.entry(az.clone()).or_default();
                 e.extend(&ports);

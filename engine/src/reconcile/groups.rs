@@ -162,6 +162,14 @@ impl Engine {
             self.scale_in(&group, nodes, deadline, "group destroyed", &lease)
                 .await?;
             lease.check()?;
+            // The nodes are gone: what the cloud made for the group goes too.
+            self.cloud(group.spec.cloud)?
+                .release_group(id)
+                .await
+                .map_err(|e| EngineError::Step {
+                    step: "delete the group's cloud resources",
+                    detail: e.to_string(),
+                })?;
             // Deleted while the leases are held: nothing acts on it in between.
             self.store.delete_group(id)?;
             self.store.release_addresses(id)?;
@@ -271,7 +279,9 @@ impl Engine {
             .filter_map(|(leaver, _)| rows.iter().find(|n| &n.id == leaver).cloned())
             .collect();
 
-        // 3. Provision up to min_nodes in every AZ.
+        // 3. The group's own cloud resources in step (a made security group
+        //    follows the vservers), then provision up to min_nodes in every AZ.
+        self.prepare_group_resources(cloud, group).await?;
         for (az, count) in &plan.start {
             for _ in 0..*count {
                 self.provision(

@@ -17,12 +17,14 @@
 //! - `join`: what a node runs and the push of it, and the rolling restart;
 //! - `spans`: how many nodes of an AZ hold a vserver behind an `nlb`;
 //! - `distributors`: traffic distributors and what they hand out;
-//! - `se_groups`, `vservers`: the objects placed on a group.
+//! - `se_groups`, `vservers`: the objects placed on a group;
+//! - `resources`: a group's own cloud resources (an aws group's security group).
 
 mod distributors;
 mod groups;
 mod join;
 mod leases;
+mod resources;
 mod scale_in;
 mod scale_out;
 mod se_groups;

@@ -45,6 +45,8 @@ impl Engine {
                 .record_event(group_id, Some(az), "scale_out", reason)?;
             let before: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
             let token = self.group_token(group_id)?;
+            self.prepare_group_resources(self.cloud(group.spec.cloud)?, &group)
+                .await?;
             self.provision(&group, az, &token, &lease, "scale-out")
                 .await?;
             // Only this AZ's members are pushed: the others (passed as left
@@ -115,8 +117,10 @@ impl Engine {
         let req = ProvisionRequest {
             node_id: node_id.clone(),
             group_id: id.clone(),
+            group_name: spec.name.clone(),
             az: az.to_string(),
             memory_limit_mb: spec.memory_limit_mb(),
+            node: spec.node_spec(),
             token: token.to_string(),
         };
         // Not cut short by the apply deadline: a node that exists must be recorded,

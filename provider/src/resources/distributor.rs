@@ -127,7 +127,7 @@ impl ManagedObject for Distributor {
     }
 
     fn plan_create(engine: &EngineHandle, diags: &mut Diagnostics, s: &mut State) -> Option<()> {
-        check_cloud_usable(engine, diags, known(&s.cloud), false)?;
+        check_cloud_usable(engine, diags, known(&s.cloud), None)?;
         default_to(&mut s.ttl, DEFAULT_TTL.to_string());
         s.forget_computed();
         Some(())

@@ -10,11 +10,11 @@ use super::managed::ManagedObject;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_core::policy;
-use lbscale_engine::model::{Findings, GroupSpec, NodeSizeSpec, PathStep, CLOUDS};
+use lbscale_engine::model::{CloudName, Findings, GroupSpec, NodeSpec, PathStep, CLOUDS};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::{Engine, EngineError};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use tf_provider::schema::{AttributeType, Block, NestedBlock};
 use tf_provider::value::Value;
 use tf_provider::{AttributePath, Diagnostics};
@@ -31,6 +31,59 @@ pub struct ThresholdBlock {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeBlock {
     pub memory_limit_mb: Value<Number>,
+    pub image: Value<String>,
+    pub size: Value<String>,
+    pub subnets: Value<BTreeMap<String, String>>,
+    pub security_groups: Value<Vec<String>>,
+    pub management_cidrs: Value<Vec<String>>,
+    pub identity: Value<String>,
+    pub tags: Value<BTreeMap<String, String>>,
+}
+
+impl NodeBlock {
+    /// The block as the engine reads it: what is known of it (a value not
+    /// known yet is left out, and the rules on it wait for it).
+    fn spec(&self) -> NodeSpec {
+        let list = |v: &Value<Vec<String>>| known(v).cloned().unwrap_or_default();
+        let map = |v: &Value<BTreeMap<String, String>>| known(v).cloned().unwrap_or_default();
+        NodeSpec {
+            memory_limit_mb: int(&self.memory_limit_mb).unwrap_or(Defaults::MEMORY_LIMIT_MB),
+            image: known(&self.image).cloned(),
+            size: known(&self.size).cloned(),
+            subnets: map(&self.subnets),
+            security_groups: list(&self.security_groups),
+            management_cidrs: list(&self.management_cidrs),
+            identity: known(&self.identity).cloned(),
+            tags: map(&self.tags),
+        }
+    }
+
+    fn of(n: &NodeSpec) -> NodeBlock {
+        let list = |v: &Vec<String>| {
+            if v.is_empty() {
+                Value::Null
+            } else {
+                Value::Value(v.clone())
+            }
+        };
+        let map = |v: &BTreeMap<String, String>| {
+            if v.is_empty() {
+                Value::Null
+            } else {
+                Value::Value(v.clone())
+            }
+        };
+        NodeBlock {
+            memory_limit_mb: Value::Value(n.memory_limit_mb.into()),
+            image: n.image.clone().into(),
+            size: n.size.clone().into(),
+            subnets: map(&n.subnets),
+            security_groups: list(&n.security_groups),
+            management_cidrs: list(&n.management_cidrs),
+            identity: n.identity.clone().into(),
+            tags: map(&n.tags),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -137,14 +190,7 @@ fn state_of(v: &GroupView) -> State {
                 })
                 .collect(),
         ),
-        node: Value::Value(
-            s.node
-                .iter()
-                .map(|n| NodeBlock {
-                    memory_limit_mb: Value::Value(n.memory_limit_mb.into()),
-                })
-                .collect(),
-        ),
+        node: Value::Value(s.node.iter().map(NodeBlock::of).collect()),
         nodes: Value::Value(node_objects(v)),
         node_count: Value::Value(v.node_count()),
     }
@@ -235,14 +281,7 @@ impl ManagedObject for Group {
                         vec![],
                     )),
                 ),
-                (
-                    "node",
-                    NestedBlock::Optional(block(
-                        "Size and image of a node in the group's cloud.",
-                        vec![("memory_limit_mb", defaulted(AttributeType::Number, "`local`: the node's memory budget, against which its memory percent is measured. Default 256."))],
-                        vec![],
-                    )),
-                ),
+                ("node", NestedBlock::Optional(node_block())),
             ],
         )
     }
@@ -306,29 +345,20 @@ impl ManagedObject for Group {
                 f.thresholds(&all);
             }
         }
-        if let Some(nodes) = known(&s.node) {
-            for (i, n) in nodes.iter().enumerate() {
-                let at = vec![
-                    PathStep::Attr("node"),
-                    PathStep::Index(i),
-                    PathStep::Attr("memory_limit_mb"),
-                ];
-                let m = whole_number(
-                    &mut f,
-                    at.clone(),
-                    "node.memory_limit_mb",
-                    &n.memory_limit_mb,
-                );
-                if let Some(m) = m {
-                    if !(32..=65536).contains(&m) {
-                        f.0.push(lbscale_engine::model::Finding::error(
-                            at,
-                            "Invalid memory_limit_mb",
-                            format!("node.memory_limit_mb must be between 32 and 65536, got {m}."),
-                        ));
-                    }
-                }
-            }
+        if let Some(n) = known(&s.node).and_then(|n| n.first()) {
+            let at = vec![
+                PathStep::Attr("node"),
+                PathStep::Index(0),
+                PathStep::Attr("memory_limit_mb"),
+            ];
+            whole_number(&mut f, at, "node.memory_limit_mb", &n.memory_limit_mb);
+            // The cloud's and the zones' rules once they are known.
+            let cloud = known(&s.cloud).and_then(|c| CloudName::parse(c));
+            f.node_spec(
+                cloud,
+                known(&s.availability_zones).map(Vec::as_slice),
+                &n.spec(),
+            );
         }
         f
     }
@@ -365,12 +395,7 @@ impl ManagedObject for Group {
                 drain_timeout: f.declared_duration("drain_timeout", &string(&s.drain_timeout))?,
                 apply_timeout: f.declared_duration("apply_timeout", &string(&s.apply_timeout))?,
                 thresholds: f.typed_thresholds(&declared)?,
-                node: known(&s.node)
-                    .and_then(|n| n.first())
-                    .map(|n| NodeSizeSpec {
-                        memory_limit_mb: int(&n.memory_limit_mb)
-                            .unwrap_or(Defaults::MEMORY_LIMIT_MB),
-                    }),
+                node: known(&s.node).and_then(|n| n.first()).map(NodeBlock::spec),
             })
         })();
         spec.ok_or(f)
@@ -381,7 +406,7 @@ impl ManagedObject for Group {
         // The distributor's cloud first: "must equal the distributor's" is the
         // more useful message when both apply.
         check_placement(engine, diags, s)?;
-        check_cloud_usable(engine, diags, known(&s.cloud), true)?;
+        check_cloud_usable(engine, diags, known(&s.cloud), Some(&node_of(s)))?;
         s.forget_computed();
         Some(())
     }
@@ -398,7 +423,7 @@ impl ManagedObject for Group {
             ("cloud", changed(&prior.cloud, &s.cloud)),
         ]);
         if !replace.is_empty() {
-            check_cloud_usable(engine, diags, known(&s.cloud), true)?;
+            check_cloud_usable(engine, diags, known(&s.cloud), Some(&node_of(s)))?;
             s.forget_computed();
             return Some(replace);
         }
@@ -441,4 +466,33 @@ impl ManagedObject for Group {
     async fn delete(engine: &Engine, id: &str) -> Result<(), EngineError> {
         engine.delete_group(id).await
     }
+}
+
+/// The group's `node` block as the engine reads it (its defaults without one).
+fn node_of(s: &State) -> NodeSpec {
+    known(&s.node)
+        .and_then(|n| n.first())
+        .map(NodeBlock::spec)
+        .unwrap_or_default()
+}
+
+/// The `node` block's schema: one shape for every cloud; what each field
+/// means on each is in docs/resources/autoscale_group.md.
+fn node_block() -> Block {
+    let strings = || AttributeType::List(Box::new(AttributeType::String));
+    let map = || AttributeType::Map(Box::new(AttributeType::String));
+    block(
+        "The nodes' machine and placement: one shape for every cloud, each field meaning that cloud's own thing. A field that the group's cloud does not take is an error at plan time. Changing a field changes the nodes started from then on; running nodes keep theirs until they are replaced.",
+        vec![
+            ("memory_limit_mb", defaulted(AttributeType::Number, "The node's memory budget, against which its memory percent is measured (every cloud: the node process's resident memory over this). Default 256; 32 to 65536.")),
+            ("image", optional(AttributeType::String, "The image nodes start from, with `lbscale-node` on its PATH. aws: an AMI id (`ami-...`), default the provider's `aws.image_id`; azure: an image URN (`publisher:offer:sku:version`) or image resource id; gcp: an image (`projects/P/global/images/NAME` or `.../images/family/F`, or a self-link). Not on local.")),
+            ("size", optional(AttributeType::String, "The machine size. aws: the instance type (`t3.small`), default the provider's `aws.instance_type`, else `c5.large`; azure: the VM size (`Standard_D2s_v5`); gcp: the machine type (`e2-standard-2`). Not on local.")),
+            ("subnets", optional(map(), "Per availability zone, the subnet its nodes start in: every zone of `availability_zones` and no other. aws: a subnet id (`subnet-...`) in that AZ, also the `nlb` distributor's subnet there; azure: a subnet resource id; gcp: a subnetwork (name, `projects/P/regions/R/subnetworks/N` or self-link). Default: the cloud's default subnet of each zone. Not on local.")),
+            ("security_groups", optional(strings(), "The nodes' firewall. aws: 1 to 5 security group ids (`sg-...`); azure: one network security group resource id; gcp: network tags that firewall rules target. Not given: lbscale makes one for the group, with the vservers' ports open (TCP or UDP, as each vserver says) and the node API port open only to `management_cidrs`, kept in step with the vservers and deleted with the group. Not on local.")),
+            ("management_cidrs", optional(strings(), "Where lbscale (Terraform and the daemon) reaches the nodes from: the only sources of the node API port (9990) in the security group lbscale makes. Default: the network's own range (aws: the VPC's CIDR blocks). Only without `security_groups`. Not on local.")),
+            ("identity", optional(AttributeType::String, "The nodes' cloud identity. aws: an IAM instance profile name or ARN; azure: a user-assigned managed identity resource id; gcp: a service account email. Not on local.")),
+            ("tags", optional(map(), "Tags on the nodes. aws: instance and volume tags (at most 40; `Name`, `aws:` and `lbscale:` keys are reserved); azure: resource tags; gcp: labels (lowercase). Not on local.")),
+        ],
+        vec![],
+    )
 }

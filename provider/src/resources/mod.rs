@@ -11,17 +11,21 @@ pub mod vserver;
 use tf_provider::Diagnostics;
 
 /// Refuses, at plan time rather than apply, clouds that have no driver in this
-/// provider and a cloud whose settings are missing (`nodes`: settings that nodes
-/// need too, such as the aws image).
+/// provider and a cloud whose settings are missing (`nodes`: the `node` block
+/// of a group, whose nodes need more, such as an aws image).
 pub fn check_cloud_usable(
     engine: &crate::common::EngineHandle,
     diags: &mut Diagnostics,
     cloud: Option<&String>,
-    nodes: bool,
+    nodes: Option<&lbscale_engine::model::NodeSpec>,
 ) -> Option<()> {
     let at = || tf_provider::AttributePath::new("cloud");
+    let unusable = |e: &lbscale_engine::Engine, c: &str| match nodes {
+        Some(node) => e.node_unusable(c, node),
+        None => e.cloud_unusable(c, false),
+    };
     match cloud.map(String::as_str) {
-        Some(c) => match engine.get().and_then(|e| e.cloud_unusable(c, nodes)) {
+        Some(c) => match engine.get().and_then(|e| unusable(e, c)) {
             Some(why) => {
                 let summary = match why {
                     lbscale_engine::cloud::CloudError::NoDriver { .. } => {
