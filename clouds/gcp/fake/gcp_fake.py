@@ -1032,10 +1032,11 @@ def make_handler(fake, handlers, metadata):
             url = urllib.parse.urlsplit(self.path)
             query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
             record = {"time": time.time(), "verb": verb, "path": url.path}
+            self.method_id = None
             try:
                 status, obj, method_id = self.dispatch(verb, url.path, query, raw)
             except ApiError as e:
-                status, obj, method_id = e.code, e.envelope(), record.get("method")
+                status, obj, method_id = e.code, e.envelope(), self.method_id
             except Exception as e:  # a bug of the fake: said, never hidden
                 print(f"gcp_fake: {verb} {url.path}: {e!r}", file=sys.stderr, flush=True)
                 status, obj, method_id = 500, ApiError(500, "backendError", f"fake failure: {e!r}").envelope(), None
@@ -1060,6 +1061,7 @@ def make_handler(fake, handlers, metadata):
             m, params = doc.route(verb, path)
             if m is None:
                 raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server ({verb}).")
+            self.method_id = m["id"]
             with fake.lock:
                 fake.check_auth(self.headers)
                 fault = fake.take_fault(m["id"])
