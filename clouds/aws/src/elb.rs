@@ -1,6 +1,7 @@
 //! The `aws` `nlb` distributor: one ELBv2 network load balancer per
-//! distributor, with a subnet (the AZ's default subnet) in each AZ of its
-//! groups, a TCP listener per vserver port, and a target group per port whose
+//! distributor, with a subnet in each AZ of its groups (the subnet the
+//! groups' `node.subnets` give there, else the AZ's default subnet; all in one
+//! VPC), a TCP listener per vserver port, and a target group per port whose
 //! targets are the nodes' private IPs.
 //!
 //! A network load balancer hashes each flow to a target, in the AZ where the
@@ -32,6 +33,90 @@ impl AwsCloud {
     fn tg_name(id: &str, port: u16) -> String {
         let base: String = Self::lb_name(id).chars().take(26).collect();
         format!("{base}-{port}")
+    }
+
+    /// The subnet of each of `azs`: the one the groups give there (`given`),
+    /// else the AZ's default subnet. AZ -> (subnet id, VPC id); every subnet
+    /// in one VPC, one subnet per AZ.
+    async fn subnets_for(
+        &self,
+        azs: &BTreeSet<String>,
+        given: &BTreeMap<String, BTreeSet<String>>,
+    ) -> Result<BTreeMap<String, (String, String)>> {
+        let mut ids = Vec::new();
+        for az in azs {
+            match given.get(az).map(|s| s.iter().collect::<Vec<_>>()).as_deref() {
+                None | Some([]) => {}
+                Some([one]) => ids.push(((*one).clone(), az.clone())),
+                Some(many) => {
+                    return Err(CloudError::Failed(format!(
+                        "the groups of this nlb distributor give different subnets in {az} ({}): a load balancer has one subnet per AZ, so its groups' node.subnets must agree",
+                        many.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                    )))
+                }
+            }
+        }
+        let defaults: BTreeSet<String> = azs
+            .iter()
+            .filter(|az| !ids.iter().any(|(_, a)| a == *az))
+            .cloned()
+            .collect();
+        let mut out = if defaults.is_empty() {
+            BTreeMap::new()
+        } else {
+            self.default_subnets(&defaults).await?
+        };
+        if !ids.is_empty() {
+            let mut params = Vec::new();
+            for (i, (id, _)) in ids.iter().enumerate() {
+                params.push((format!("SubnetId.{}", i + 1), id.clone()));
+            }
+            let body = self
+                .api
+                .query(Service::Ec2, "DescribeSubnets", super::EC2_VERSION, &params)
+                .await?;
+            let doc = xml::parse("ec2 DescribeSubnets", &body)?;
+            let found: BTreeMap<String, (String, String)> = xml::find_all(doc.root(), "subnetSet")
+                .flat_map(|s| s.children().filter(|c| c.is_element()))
+                .filter_map(|s| {
+                    Some((
+                        xml::child_text(s, "subnetId")?,
+                        (
+                            xml::child_text(s, "availabilityZone")?,
+                            xml::child_text(s, "vpcId")?,
+                        ),
+                    ))
+                })
+                .collect();
+            for (id, az) in ids {
+                match found.get(&id) {
+                    Some((in_az, vpc)) if *in_az == az => {
+                        out.insert(az, (id, vpc.clone()));
+                    }
+                    Some((in_az, _)) => {
+                        return Err(CloudError::Failed(format!(
+                            "subnet {id}, given for {az} in node.subnets, is in {in_az}"
+                        )))
+                    }
+                    None => {
+                        return Err(CloudError::Failed(format!(
+                            "AWS ec2 DescribeSubnets: subnet {id} (node.subnets of {az}) not found"
+                        )))
+                    }
+                }
+            }
+        }
+        let vpcs: BTreeSet<&String> = out.values().map(|(_, v)| v).collect();
+        if vpcs.len() > 1 {
+            return Err(CloudError::Failed(format!(
+                "the subnets of this nlb distributor are in more than one VPC ({}): a load balancer lives in one VPC; give every AZ of its groups a subnet of one VPC in node.subnets",
+                out.iter()
+                    .map(|(az, (s, v))| format!("{az}: {s} in {v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        Ok(out)
     }
 
     /// The default subnet of each of `azs`: AZ -> (subnet id, VPC id).
@@ -122,20 +207,25 @@ impl AwsCloud {
             }
             return self.save_nlb_runtime(id, None);
         }
-        let subnets = self.default_subnets(&azs).await?;
+        let subnets = self.subnets_for(&azs, &publication.subnets).await?;
         let vpc = subnets
             .values()
             .next()
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
+        let in_place = |lb: &LoadBalancer| {
+            subnets
+                .iter()
+                .all(|(az, (subnet, _))| lb.subnets.get(az) == Some(subnet))
+        };
         let lb = match existing {
-            Some(lb) if azs.is_subset(&lb.azs) => lb,
+            Some(lb) if in_place(&lb) => lb,
             Some(lb) => {
-                // ELBv2 takes the whole list: the subnets it has, as they are,
-                // and the new AZs' default subnets.
+                // ELBv2 takes the whole list: the subnets wanted in the AZs
+                // served, and those it has in other AZs, as they are.
                 let mut all: BTreeMap<String, String> = lb.subnets.clone();
                 for (az, (subnet, _)) in &subnets {
-                    all.entry(az.clone()).or_insert_with(|| subnet.clone());
+                    all.insert(az.clone(), subnet.clone());
                 }
                 let mut params = vec![("LoadBalancerArn".to_string(), lb.arn.clone())];
                 for (i, subnet) in all.values().enumerate() {

@@ -3,9 +3,12 @@
 //!
 //! - [`sigv4`] signs requests, [`api`] sends them (TLS, deadlines, retries of
 //!   throttled calls) and [`xml`] reads the answers.
-//! - A node is an instance started from the operator's image (`image_id`, with
-//!   `lbscale-node` installed) whose user data starts `lbscale-node serve` on
-//!   the node API port. Its instance id is the node's handle. `RunInstances`
+//! - A node is an instance started from the operator's image (the group's
+//!   `node.image`, else the provider's `image_id`; with `lbscale-node`
+//!   installed) whose user data starts `lbscale-node serve` on the node API
+//!   port, placed as the group's `node` block says ([`placement`]: subnet per
+//!   AZ, security groups or the one lbscale makes ([`security_group`]),
+//!   instance profile, tags). Its instance id is the node's handle. `RunInstances`
 //!   carries the node id as its client token, so a provisioning step that is
 //!   run again after a crash finds the instance it started instead of starting
 //!   a second one.
@@ -26,6 +29,8 @@ pub mod credentials;
 mod elb;
 #[cfg(feature = "testing")]
 pub mod moto_testing;
+mod placement;
+mod security_group;
 pub mod sigv4;
 pub mod xml;
 
@@ -33,9 +38,10 @@ use api::{AwsApi, Endpoint, Service};
 use base64::Engine as _;
 use credentials::{AssumeRole, EnvVars};
 use lbscale_engine::cloud::{
-    Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
+    Cloud, CloudError, Distributor, DriverStore, GroupResources, ProvisionRequest, Provisioned,
+    Publication, Result,
 };
-use lbscale_engine::model::{DistributorMode, DistributorSpec};
+use lbscale_engine::model::{DistributorMode, DistributorSpec, NodeSpec};
 use lbscale_engine::store::NodeRow;
 use serde::{Deserialize, Serialize};
 use sigv4::Credentials;
@@ -268,7 +274,8 @@ impl AwsCloud {
         self.api.credentials().describe()
     }
 
-    /// Whether nodes can be started: an image is set.
+    /// Whether nodes can be started without an image in their group's
+    /// `node` block: the provider's is set.
     pub fn has_image(&self) -> bool {
         self.image_id.is_some()
     }
@@ -617,22 +624,8 @@ fn bootstrap(req: &ProvisionRequest) -> String {
 #[async_trait::async_trait]
 impl Cloud for AwsCloud {
     async fn provision(&self, req: &ProvisionRequest) -> Result<Provisioned> {
-        let image = self.image_id.clone().ok_or_else(|| {
-            CloudError::Failed(
-                "no image for AWS nodes: set `image_id` in the provider's aws block, or LBSCALE_AWS_IMAGE_ID".into(),
-            )
-        })?;
-        let tags = [
-            ("Name", format!("lbscale-{}", req.node_id)),
-            ("lbscale:node-id", req.node_id.clone()),
-            ("lbscale:group-id", req.group_id.clone()),
-        ];
-        let mut params: Vec<(String, String)> = vec![
-            ("ImageId".into(), image),
-            ("InstanceType".into(), self.instance_type.clone()),
-            ("MinCount".into(), "1".into()),
-            ("MaxCount".into(), "1".into()),
-            ("Placement.AvailabilityZone".into(), req.az.clone()),
+        let mut params = self.placement_params(req).await?;
+        params.extend([
             // Idempotent: the same node id never starts a second instance.
             // (A client token is at most 64 characters; a node id may be more.)
             (
@@ -643,15 +636,7 @@ impl Cloud for AwsCloud {
                 "UserData".into(),
                 base64::engine::general_purpose::STANDARD.encode(bootstrap(req)),
             ),
-            ("TagSpecification.1.ResourceType".into(), "instance".into()),
-        ];
-        for (i, (k, v)) in tags.iter().enumerate() {
-            params.push((
-                format!("TagSpecification.1.Tag.{}.Key", i + 1),
-                k.to_string(),
-            ));
-            params.push((format!("TagSpecification.1.Tag.{}.Value", i + 1), v.clone()));
-        }
+        ]);
         // A provisioning step run again (after a crash) finds the instance it
         // started by its tag instead of starting a second one. The client
         // token does the same inside EC2, but not every EC2-compatible API
@@ -762,10 +747,19 @@ impl Cloud for AwsCloud {
         NODE_API_PORT
     }
 
-    fn unusable(&self) -> Option<String> {
-        (!self.has_image()).then(|| {
-            "no image for AWS nodes: set image_id in the provider's aws block, or LBSCALE_AWS_IMAGE_ID".into()
+    /// An image is the group's (`node.image`) or the provider's.
+    fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
+        self.image_for(node).is_none().then(|| {
+            "no image for AWS nodes: set `image` in the group's node block, or image_id in the provider's aws block (or LBSCALE_AWS_IMAGE_ID)".into()
         })
+    }
+
+    async fn prepare_group(&self, group: &GroupResources) -> Result<()> {
+        self.prepare_security_group(group).await
+    }
+
+    async fn release_group(&self, group_id: &str) -> Result<()> {
+        self.release_security_groups(group_id).await
     }
 }
 
