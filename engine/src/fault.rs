@@ -49,3 +49,65 @@ pub fn fault_point(point: &'static str) {
         std::process::abort();
     }
 }
+
+/// Places where a test holds a workflow (not aborts it) to make a race
+/// deterministic, with the `testing` feature only; elsewhere [`hold_point`] is
+/// a no-op. A test arms a point with [`hold`], waits until a workflow
+/// [`Held::reached`] it, acts, and lets the workflow go on.
+#[cfg(feature = "testing")]
+pub mod holds {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::Notify;
+
+    #[derive(Default)]
+    struct Point {
+        reached: Notify,
+        released: Notify,
+    }
+
+    fn points() -> &'static Mutex<BTreeMap<&'static str, Arc<Point>>> {
+        static POINTS: std::sync::OnceLock<Mutex<BTreeMap<&'static str, Arc<Point>>>> =
+            std::sync::OnceLock::new();
+        POINTS.get_or_init(Default::default)
+    }
+
+    /// An armed point: the next workflow to reach it waits until released.
+    pub struct Held {
+        name: &'static str,
+        point: Arc<Point>,
+    }
+
+    /// Arms `name` for the next workflow that reaches it.
+    pub fn hold(name: &'static str) -> Held {
+        let point = Arc::new(Point::default());
+        points().lock().unwrap().insert(name, point.clone());
+        Held { name, point }
+    }
+
+    impl Held {
+        /// Returns once a workflow waits at the point.
+        pub async fn reached(&self) {
+            self.point.reached.notified().await;
+        }
+        /// Lets the waiting workflow go on (and disarms the point).
+        pub fn release(self) {
+            points().lock().unwrap().remove(self.name);
+            self.point.released.notify_one();
+        }
+    }
+
+    pub(crate) async fn wait_at(name: &'static str) {
+        let point = points().lock().unwrap().get(name).cloned();
+        if let Some(p) = point {
+            p.reached.notify_one();
+            p.released.notified().await;
+        }
+    }
+}
+
+/// Where a test may hold a workflow (see `holds`, with the `testing` feature).
+pub(crate) async fn hold_point(_name: &'static str) {
+    #[cfg(feature = "testing")]
+    holds::wait_at(_name).await;
+}

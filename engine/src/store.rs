@@ -365,6 +365,15 @@ fn group_of_az_lease(key: &str) -> Option<&str> {
     (rest.starts_with("az/") && !group.is_empty()).then_some(group)
 }
 
+/// The group whose lease, AZ lease or daemon claim `key` is; None for the
+/// leases of other things (a distributor's).
+fn group_of_lease(key: &str) -> Option<&str> {
+    if is_group_lease(key) {
+        return Some(key);
+    }
+    key.strip_prefix("daemon/").or_else(|| group_of_az_lease(key))
+}
+
 /// Whether `key` is a group's own lease (the one an apply takes): a group id,
 /// which holds no `/`, unlike claims, AZ and distributor leases.
 fn is_group_lease(key: &str) -> bool {
@@ -1617,11 +1626,12 @@ impl Store {
             expires_in_ms,
         };
         self.tx(|tx| {
-            // A daemon's claim on a group that is gone (destroyed between the
-            // daemon listing the groups and claiming one) must not leave a row.
-            if let Some(claimed) = group_id.strip_prefix("daemon/") {
-                if tx.one("SELECT 1 FROM groups WHERE id = ?1", vals![claimed])?.is_none() {
-                    return Err(StoreError::GroupGone(claimed.to_string()));
+            // A lease of a group that is gone (destroyed between a workflow
+            // reading the group and taking its lease, or a daemon listing the
+            // groups and claiming one) is refused and leaves no row.
+            if let Some(group) = group_of_lease(group_id) {
+                if tx.one("SELECT 1 FROM groups WHERE id = ?1", vals![group])?.is_none() {
+                    return Err(StoreError::GroupGone(group.to_string()));
                 }
             }
             if let Some((h, left)) = conflicting_lease(tx, group_id, holder)? {
@@ -1928,20 +1938,20 @@ mod tests {
 
     store_test!(lease_excludes_a_second_holder_and_fences_the_next, |ts| {
         let s = ts.open();
-        let a = s.acquire_lease("g1", "a", Duration::from_secs(30)).unwrap();
+        let a = s.acquire_lease("distributor/g1", "a", Duration::from_secs(30)).unwrap();
         assert!(matches!(
-            s.acquire_lease("g1", "b", Duration::from_secs(30)),
+            s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
         ));
         // Re-acquiring our own lease keeps the token.
         assert_eq!(
-            s.acquire_lease("g1", "a", Duration::from_secs(30))
+            s.acquire_lease("distributor/g1", "a", Duration::from_secs(30))
                 .unwrap()
                 .fence,
             a.fence
         );
         s.release_lease(&a).unwrap();
-        let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
+        let b = s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)).unwrap();
         assert!(b.fence > a.fence);
     });
 
@@ -1950,7 +1960,7 @@ mod tests {
         |ts| {
             let s = ts.open();
             let a = s
-                .acquire_lease("g1", "a", Duration::from_millis(50))
+                .acquire_lease("distributor/g1", "a", Duration::from_millis(50))
                 .unwrap();
             s.check_lease(&a).unwrap();
             let a = s.renew_lease(&a, Duration::from_secs(30)).unwrap();
@@ -1962,7 +1972,7 @@ mod tests {
                 s.check_lease(&short),
                 Err(StoreError::LeaseLost { .. })
             ));
-            let b = s.acquire_lease("g1", "b", Duration::from_secs(30)).unwrap();
+            let b = s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)).unwrap();
             assert!(matches!(
                 s.renew_lease(&a, Duration::from_secs(30)),
                 Err(StoreError::LeaseLost { .. })
@@ -1983,17 +1993,17 @@ mod tests {
         let s1 = ts.open();
         let s2 = ts.open();
         let one = s1
-            .acquire_lease("g", "one", Duration::from_millis(100))
+            .acquire_lease("distributor/g", "one", Duration::from_millis(100))
             .unwrap();
         assert!(matches!(
-            s2.acquire_lease("g", "two", Duration::from_secs(30)),
+            s2.acquire_lease("distributor/g", "two", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
         ));
         std::thread::sleep(Duration::from_millis(150));
         // Expired: the other handle takes it over with a higher fence, and the
         // first one's fence check fails from then on.
         let two = s2
-            .acquire_lease("g", "two", Duration::from_secs(30))
+            .acquire_lease("distributor/g", "two", Duration::from_secs(30))
             .unwrap();
         assert!(two.fence > one.fence);
         assert!(matches!(
@@ -2024,7 +2034,7 @@ mod tests {
                     let b = barrier.clone();
                     std::thread::spawn(move || {
                         b.wait();
-                        s.acquire_lease("g", &format!("d{i}"), Duration::from_secs(30))
+                        s.acquire_lease("distributor/g", &format!("d{i}"), Duration::from_secs(30))
                     })
                 })
                 .collect();
@@ -2088,7 +2098,7 @@ mod tests {
         s.record_event("g", None, "before", "kept").unwrap();
         let lock = ts.hold_write_lock();
         let err = s
-            .acquire_lease("g", "me", Duration::from_secs(5))
+            .acquire_lease("distributor/g", "me", Duration::from_secs(5))
             .unwrap_err();
         assert!(matches!(err, StoreError::Locked(_)), "{err:?}");
         assert!(
@@ -2097,7 +2107,7 @@ mod tests {
         );
         drop(lock);
         // Once the other writer is gone, the same call works and nothing was lost.
-        s.acquire_lease("g", "me", Duration::from_secs(5)).unwrap();
+        s.acquire_lease("distributor/g", "me", Duration::from_secs(5)).unwrap();
         assert_eq!(s.events_of_group("g", 10).unwrap().len(), 1);
     });
 

@@ -627,6 +627,62 @@ async fn a_distributor_whose_first_publication_fails_can_be_created_again() {
     s.engine.delete_distributor(&id).await.unwrap();
 }
 
+/// An apply stopped after the engine recorded a group, an SE group and a
+/// vserver (before Terraform saved them) is finished by the next apply: each
+/// is adopted by name and settings, not refused as a name taken; another
+/// object of a taken name with other settings is still refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interrupted_create_is_adopted_by_name_and_settings() {
+    let s = Stack::new("flt_adopt", "127.98.").await;
+    let spec = s.engine.group_view(&s.group).await.unwrap().unwrap().spec;
+    // The first bring-up failed (the cloud refused every node).
+    s.faults.inject(Call::Provision, Fault::Refuse, 4);
+    s.engine.reconcile_group(&s.group).await.unwrap_err();
+    s.faults.clear();
+    let again = s.engine.declare_group(&spec).expect("declared again");
+    assert_eq!(again, s.group, "the recorded group is adopted");
+    s.engine
+        .reconcile_group(&again)
+        .await
+        .expect("and brought up");
+    assert_eq!(s.serving().len(), 1);
+    let mut other = spec.clone();
+    other.max_nodes = 2;
+    let e = s.engine.declare_group(&other).unwrap_err();
+    assert!(e.to_string().contains("already exists"), "{e}");
+
+    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
+        "name": "flt-adopt-se", "autoscale_group_id": s.group, "scaling_mode": "native",
+        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
+        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
+    }))
+    .unwrap();
+    let se_id = s.engine.create_se_group(&se).await.unwrap();
+    assert_eq!(s.engine.create_se_group(&se).await.unwrap(), se_id);
+    let mut se_other = se.clone();
+    se_other.max_scaleout_per_vs = 2;
+    let e = s.engine.create_se_group(&se_other).await.unwrap_err();
+    assert!(e.to_string().contains("already exists"), "{e}");
+
+    let vs: lbscale_engine::model::VserverSpec = serde_json::from_value(serde_json::json!({
+        "name": "flt-adopt-vs", "se_group_id": se_id, "service_type": "tcp", "port": 18990,
+        "lb_method": "round_robin", "persistence": "none", "slow_start": null,
+        "services": [{"name": "b1", "address": "127.0.0.1", "port": 18991, "weight": 1, "enabled": true}],
+    }))
+    .unwrap();
+    let vs_id = s.engine.create_vserver(&vs).await.unwrap();
+    assert_eq!(s.engine.create_vserver(&vs).await.unwrap(), vs_id);
+    let mut vs_other = vs.clone();
+    vs_other.port = 18992;
+    let e = s.engine.create_vserver(&vs_other).await.unwrap_err();
+    assert!(e.to_string().contains("already exists"), "{e}");
+
+    s.engine.delete_vserver(&vs_id).await.unwrap();
+    s.engine.delete_se_group(&se_id).await.unwrap();
+    s.engine.delete_group(&s.group).await.unwrap();
+    s.assert_consistent("after the destroy");
+}
+
 /// `endpoints` is what the distributor serves (as its driver confirmed), not
 /// what the store wants; the publication that failed is unfinished work, which
 /// the next settle (the daemon's, at its next interval) finishes.
@@ -704,37 +760,38 @@ async fn a_dead_node_leaves_dns_once_the_distributor_can_be_written_again() {
     s.assert_consistent("after the dead node left");
 }
 
-/// A scale-out that read the group and then waited for its AZ's lease while
-/// `terraform destroy` ran: the destroy waits for the AZ's lease too, and the
-/// scale-out re-reads the group under it, so whichever goes first, nothing of
-/// the group is left (no node process, row or directory), and a scale-out
-/// that came second is refused because the group is gone.
+/// A scale-out that read the group and then, before it took its AZ's lease,
+/// was overtaken by `terraform destroy`: its lease is refused because the
+/// group is gone, so nothing of the group is left (no node process, row,
+/// directory, nor even an expired lease row).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_scale_out_waiting_for_its_az_while_the_group_is_destroyed_leaves_nothing() {
     let s = Stack::up("flt_destroy_race", "127.79.").await;
     let store = s.engine.testing_store().clone();
-    let key = lbscale_engine::store::az_lease_key(&s.group, "az1");
-    // Another daemon's workflow in the AZ: the scale-out waits for it.
-    let held = store
-        .acquire_lease(&key, "another-daemon", Duration::from_secs(60))
-        .unwrap();
-    let (out, destroyed) = tokio::join!(s.engine.scale_out(&s.group, "az1", "test"), async {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let release = async {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            store.release_lease(&held).unwrap();
-        };
-        tokio::join!(s.engine.delete_group(&s.group), release).0
-    });
-    destroyed.expect("the group is destroyed");
-    if let Err(e) = out {
-        // Gone, or still being destroyed when the scale-out had its turn.
-        assert!(
-            matches!(e, EngineError::NotFound(_)) || e.to_string().contains("is being destroyed"),
-            "{e}"
-        );
+    // The scale-out has read the group and is held before it takes its AZ's
+    // lease; the destroy runs to its end meanwhile.
+    let held = lbscale_engine::fault::holds::hold("scale_out_before_lease");
+    let scaling = tokio::time::timeout(
+        Duration::from_secs(60),
+        s.engine.scale_out(&s.group, "az1", "test"),
+    );
+    let destroying = async {
+        tokio::time::timeout(Duration::from_secs(30), held.reached())
+            .await
+            .expect("the scale-out reached the point before its lease within 30 s");
+        s.engine
+            .delete_group(&s.group)
+            .await
+            .expect("the group is destroyed");
+        held.release();
+    };
+    let (out, ()) = tokio::join!(scaling, destroying);
+    match out.expect("the scale-out ended within 60 s") {
+        Err(EngineError::NotFound(what)) => assert!(what.contains(&s.group), "{what}"),
+        other => panic!("a scale-out of a destroyed group went on: {other:?}"),
     }
-    assert!(store.group(&s.group).unwrap().is_none());
+    // Its lease was refused, so not even an expired lease row is left.
+    assert_eq!(store.rows_mentioning(&s.group).unwrap(), 0);
     assert!(
         s.processes().is_empty(),
         "node processes left: {:?}",

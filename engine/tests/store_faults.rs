@@ -79,6 +79,7 @@ store_test!(a_host_with_a_fast_clock_cannot_take_a_live_lease, |ts| {
     fast.check_lease(&claim).unwrap();
 
     // A short lease expires by the database's clock for the slow host too.
+    group(&a, "g2");
     let short = a
         .acquire_lease("g2", "apply-a", Duration::from_millis(300))
         .unwrap();
@@ -137,6 +138,7 @@ store_test!(
 store_test!(node_writes_under_a_lost_lease_change_nothing, |ts| {
     let s = ts.open();
     let other = ts.open();
+    group(&s, "g1");
     let key = lbscale_engine::store::az_lease_key("g1", "az1");
     let mine = s
         .acquire_lease(&key, "daemon-a", Duration::from_millis(300))
@@ -363,6 +365,7 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
         return;
     };
     let other = ts.open();
+    group(&s, "g1");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

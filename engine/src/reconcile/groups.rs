@@ -87,10 +87,24 @@ impl Engine {
     /// Declares the group in the store (after the store-backed checks) and
     /// returns its id; [`Engine::reconcile_group`] then brings it up. Two steps,
     /// so that a group whose bring-up fails is still known (and can be retried
-    /// or destroyed) rather than orphaned.
+    /// or destroyed) rather than orphaned. One with the same name and settings
+    /// already in the store, and not being destroyed (an apply that stopped
+    /// after recording it, before Terraform saved it), is adopted: its id is
+    /// returned and the reconcile finishes it.
     pub fn declare_group(&self, spec: &GroupSpec) -> Result<String> {
         Self::reject(self.check_group(spec)?)?;
         self.cloud(spec.cloud)?;
+        if let Some(existing) = self.store.group_by_name(&spec.name)? {
+            if existing.spec == *spec && !self.store.group_deleting(&existing.id)? {
+                self.store.record_event(
+                    &existing.id,
+                    None,
+                    "group_adopted",
+                    "declared again with the same settings by terraform apply",
+                )?;
+                return Ok(existing.id);
+            }
+        }
         let id = new_id("asg");
         self.store.insert_group(&id, spec, &new_token())?;
         self.store
@@ -129,9 +143,12 @@ impl Engine {
         // Destroy may take the TTL plus a full drain: bound it by those, not apply_timeout.
         let budget =
             group.spec.drain_timeout() + self.ttl_of(&group.spec)? + Duration::from_secs(60);
-        let lease = self.lease(id, Instant::now() + budget).await?;
-        // Under the lease: another destroy (the daemon finishing this one) may
-        // have deleted it meanwhile.
+        // Another destroy (the daemon finishing this one) may have deleted it
+        // meanwhile: then its lease is refused, or it is gone under the lease.
+        let lease = match self.lease(id, Instant::now() + budget).await {
+            Err(EngineError::NotFound(_)) => return Ok(()),
+            other => other?,
+        };
         let Some(group) = self.store.group(id)? else {
             lease.release();
             return Ok(());

@@ -221,6 +221,11 @@ impl Engine {
                         detail: format!("{holder} still holds {key}"),
                     })
                 }
+                // The group went while this waited for its turn: nothing to do
+                // for it, and no lease row is left behind.
+                Err(StoreError::GroupGone(group)) => {
+                    return Err(EngineError::NotFound(format!("autoscale group {group}")))
+                }
                 Err(e) => return Err(e.into()),
             }
         }

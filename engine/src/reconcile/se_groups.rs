@@ -27,8 +27,16 @@ impl Engine {
         Ok(f)
     }
 
+    /// Records the SE group. One with the same name and settings already in
+    /// the store (an apply that stopped after recording it, before Terraform
+    /// saved it) is adopted: its id is returned.
     pub async fn create_se_group(&self, spec: &SeGroupSpec) -> Result<String> {
         Self::reject(self.check_se_group(spec)?)?;
+        if let Some(existing) = self.store.se_group_by_name(&spec.name)? {
+            if existing.spec == *spec {
+                return Ok(existing.id);
+            }
+        }
         let id = new_id("seg");
         self.store.insert_se_group(&id, spec)?;
         Ok(id)

@@ -61,8 +61,19 @@ impl Engine {
         Ok(())
     }
 
+    /// Records the vserver and deploys it to its group's nodes; a vserver that
+    /// cannot be deployed is taken back out. One with the same name and
+    /// settings already in the store (an apply that stopped after recording
+    /// it, before Terraform saved it) is adopted: deployed again, its id returned.
     pub async fn create_vserver(&self, spec: &VserverSpec) -> Result<String> {
         Self::reject(self.check_vserver(spec)?)?;
+        if let Some(existing) = self.store.vserver_by_name(&spec.name)? {
+            if existing.spec == *spec {
+                self.redeploy(self.group_of_se_group(&spec.se_group_id)?)
+                    .await?;
+                return Ok(existing.id);
+            }
+        }
         let id = new_id("vs");
         self.store.insert_vserver(&id, spec)?;
         if let Err(e) = self

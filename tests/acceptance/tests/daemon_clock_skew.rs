@@ -127,3 +127,79 @@ fn a_daemon_with_a_fast_clock_takes_no_claim_before_it_expires() {
     ws.destroy();
     ws.assert_nothing_left(&[]);
 }
+
+/// The same fast daemon beside an apply that scales the group up: the
+/// daemon's clock must not make it take the apply's lease, nor see the node
+/// that the apply starts as late and kill it.
+#[test]
+fn a_daemon_with_a_fast_clock_does_not_disturb_an_apply() {
+    if !Path::new(LIBFAKETIME).exists() {
+        assert!(
+            !std::env::var("CI").is_ok_and(|v| v == "true" || v == "1"),
+            "{LIBFAKETIME} is missing but CI=true: run scripts/setup.sh"
+        );
+        eprintln!("note: SKIPPED: {LIBFAKETIME} is missing (scripts/setup.sh installs faketime)");
+        return;
+    }
+    let Some(ts) = TestStore::new(Kind::Postgres, "daemon_skew_apply") else {
+        return;
+    };
+    let mut ws = Workspace::new("daemon-skew-apply", 203);
+    ws.state = Some(ts.url.clone());
+    let config = CONFIG.replace("skew", "skewap");
+    ws.write(&config);
+    ws.apply();
+    let fast = Daemon::start_with(
+        &ws,
+        free_port(),
+        "fast",
+        &[("LD_PRELOAD", LIBFAKETIME), ("FAKETIME", "+30s")],
+    );
+    let ahead = log_time_ahead_s(&fast.logs());
+    assert!(
+        (20..=35).contains(&ahead),
+        "the fast daemon's clock is {ahead} s ahead"
+    );
+    wait_for("the fast daemon to own the group", Duration::from_secs(30), || {
+        (fast.group("skewap")["owner"].as_str() == Some("self")).then_some(())
+    });
+    let group = ws.resource("lbscale_autoscale_group.g")["id"]
+        .as_str()
+        .expect("the group's id")
+        .to_string();
+    let before: Vec<String> = node_ids(&ws, &group);
+    // The apply adds a node while the fast daemon evaluates the group.
+    ws.write(&config.replace("min_nodes              = 1", "min_nodes              = 2"));
+    ws.apply();
+    let after = node_ids(&ws, &group);
+    assert_eq!(after.len(), 2, "the apply brought the group to 2 nodes: {after:?}");
+    assert!(
+        before.iter().all(|n| after.contains(n)),
+        "a node of before the apply is gone: {before:?} -> {after:?}"
+    );
+    // A few of the daemon's intervals later, nothing was killed or replaced.
+    std::thread::sleep(Duration::from_secs(5));
+    let events = ws.engine().events(&group, 1000).unwrap();
+    let bad: Vec<_> = events
+        .iter()
+        .filter(|e| ["node_failed", "node_removed", "scale_in", "scale_out_failed"].contains(&e.kind.as_str()))
+        .map(|e| format!("{} {}", e.kind, e.reason))
+        .collect();
+    assert!(bad.is_empty(), "the fast daemon disturbed the apply: {bad:?}");
+    assert_eq!(node_ids(&ws, &group), after);
+    fast.stop();
+    ws.destroy();
+    ws.assert_nothing_left(&[]);
+}
+
+fn node_ids(ws: &Workspace, group: &str) -> Vec<String> {
+    let mut ids: Vec<String> = ws
+        .engine()
+        .node_rows(group)
+        .unwrap()
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    ids.sort();
+    ids
+}
