@@ -560,7 +560,8 @@ async fn observe(
     }
     let targets = sample::targets(&view, &rows);
     let token = rt.token.as_deref().unwrap_or_default();
-    let sampled = sample::sample(&mut rt.clients, targets, token).await;
+    let window = interval_of(&row.spec);
+    let sampled = sample::sample(&mut rt.clients, targets, token, window).await;
     let spans = shared
         .engine
         .vserver_spans(id)

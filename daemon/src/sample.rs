@@ -101,11 +101,14 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 }
 
 /// Asks every target for its statistics, concurrently, each bounded by
-/// [`STATS_TIMEOUT`]. Connections are kept for the next evaluation.
+/// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
+/// `window` (the group's stats interval). Connections are kept for the next
+/// evaluation.
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
     targets: Vec<Target>,
     token: &str,
+    window: Duration,
 ) -> Sampled {
     // Forget the connections of nodes that left.
     clients.retain(|id, _| targets.iter().any(|t| &t.id == id));
@@ -122,7 +125,7 @@ pub(crate) async fn sample(
                         .await
                         .map_err(|e| e.to_string())?,
                 };
-                let stats = client.stats().await.map_err(|e| e.to_string())?;
+                let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
                 Ok::<_, String>((client, stats))
             };
             let r = match tokio::time::timeout(STATS_TIMEOUT, call).await {

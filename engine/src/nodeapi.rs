@@ -103,8 +103,18 @@ impl NodeClient {
         }
     }
 
+    /// The node's statistics, CPU, memory and throughput over the last second.
     pub async fn stats(&mut self) -> Result<NodeStats, NodeApiError> {
-        match self.inner.get_stats(StatsRequest {}).await {
+        self.stats_over(Duration::ZERO).await
+    }
+
+    /// The node's statistics, CPU, memory and throughput as their means over
+    /// the last `window` (the group's `stats_interval`).
+    pub async fn stats_over(&mut self, window: Duration) -> Result<NodeStats, NodeApiError> {
+        let req = StatsRequest {
+            window_ms: window.as_millis() as u64,
+        };
+        match self.inner.get_stats(req).await {
             Ok(r) => Ok(r.into_inner()),
             Err(s) => Err(self.refused("GetStats", s)),
         }

@@ -66,8 +66,9 @@ impl NodeApi for Api {
         }))
     }
 
-    async fn get_stats(&self, _req: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
-        Ok(Response::new(self.node.stats().await))
+    async fn get_stats(&self, req: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
+        let window = Duration::from_millis(req.into_inner().window_ms);
+        Ok(Response::new(self.node.stats(window).await))
     }
 }
 

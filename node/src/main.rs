@@ -22,7 +22,9 @@ mod slowstart;
 mod tcp;
 mod udp;
 mod upstream;
+mod usage;
 mod watch;
+mod window;
 
 #[cfg(test)]
 mod balancing_tests;
@@ -39,13 +41,22 @@ use anyhow::{anyhow, bail, Context};
 
 const USAGE: &str = "\
 usage:
-  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --memory-limit-mb N [NODE OPTIONS]
+  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH [--stats instance|process] [--memory-limit-mb N] [NODE OPTIONS]
   lbscale-node dns --listen IP:PORT --config FILE --status FILE
   lbscale-node nlb --config FILE --status FILE
   lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [--persistence NONE|COOKIE|SOURCEIP] [NODE OPTIONS]
 
 serve's --token-file holds the management API's bearer token, or sha256:HEX, the
 SHA-256 of the token (64 hex digits), so that the file need not hold the secret.
+
+serve's --stats says whose CPU and memory GetStats reports, each the mean over
+the window the caller asks for (the group's stats interval):
+  instance (default)  the machine's: CPU over all cores from /proc/stat (0-100),
+                      used memory over /proc/meminfo's total, or over the
+                      cgroup's memory limit when one binds (a container)
+  process             this process's: CPU as a share of one core (above 100 on
+                      several cores), resident memory over --memory-limit-mb
+                      (needed then); the local cloud's, where nodes share a machine
 
 node options (serve, standalone):
   --health-interval-ms N   TCP-connect health check of every service every N ms (default 1000; 0 = off)
@@ -206,6 +217,27 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// serve's `--stats` (and `--memory-limit-mb`, which `process` needs).
+fn stats_source(a: &Args) -> anyhow::Result<usage::Source> {
+    let limit = match a.get("memory-limit-mb") {
+        Ok(v) => Some(
+            v.parse::<u64>()
+                .context("--memory-limit-mb must be a whole number")?,
+        ),
+        Err(_) => None,
+    };
+    match a.get("stats").unwrap_or("instance") {
+        "instance" => Ok(usage::Source::Instance),
+        "process" => match limit {
+            Some(memory_limit_mb) if memory_limit_mb > 0 => {
+                Ok(usage::Source::Process { memory_limit_mb })
+            }
+            _ => bail!("--stats process needs --memory-limit-mb N (1 or more)"),
+        },
+        s => bail!("--stats must be instance or process, not {s:?}"),
+    }
+}
+
 async fn serve(a: Args) -> anyhow::Result<()> {
     let node_id = a.get("node-id")?.to_string();
     let ip: IpAddr = a
@@ -217,10 +249,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         .parse()
         .context("--api-port must be a port number")?;
     let token_file = PathBuf::from(a.get("token-file")?);
-    let memory_limit_mb: u64 = a
-        .get("memory-limit-mb")?
-        .parse()
-        .context("--memory-limit-mb must be a number")?;
+    let stats_source = stats_source(&a)?;
     let token = std::fs::read_to_string(&token_file)
         .with_context(|| format!("cannot read token file {}", token_file.display()))?
         .trim()
@@ -230,7 +259,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     }
     let token = api::ExpectedToken::parse(&token)
         .map_err(|e| anyhow!("token file {}: {e}", token_file.display()))?;
-    let node = node::Node::new(node_id.clone(), ip, memory_limit_mb, node_opts(&a)?);
+    let node = node::Node::new(node_id.clone(), ip, stats_source, node_opts(&a)?);
     start_custom_loads(&a, &node);
     let addr = SocketAddr::new(ip, api_port);
     let listener = tokio::net::TcpListener::bind(addr)
@@ -313,7 +342,9 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
         LbMethod::from_str_name(&method).ok_or_else(|| anyhow!("unknown --lb-method {method}"))?;
     let services = standalone_services(&a)?;
     let stop = shutdown_signal();
-    let node = node::Node::new("standalone".into(), listen.ip(), 0, node_opts(&a)?);
+    // Nothing reads a standalone node's statistics.
+    let stats = usage::Source::Process { memory_limit_mb: 0 };
+    let node = node::Node::new("standalone".into(), listen.ip(), stats, node_opts(&a)?);
     start_custom_loads(&a, &node);
     node.configure(NodeConfig {
         group_peers: Vec::new(),
@@ -352,6 +383,7 @@ fn parse_args(cmd: &str, rest: &[String]) -> anyhow::Result<Args> {
                     "api-port",
                     "token-file",
                     "memory-limit-mb",
+                    "stats",
                 ][..],
                 &NODE_OPTS[..],
             ]

@@ -111,7 +111,7 @@ async fn configure(cl: &mut Client, v: Vserver) {
 async fn api_answers(ip: &str) -> bool {
     let stats = async {
         let mut cl = api_client(ip).await;
-        cl.get_stats(StatsRequest {}).await
+        cl.get_stats(StatsRequest::default()).await
     };
     matches!(
         tokio::time::timeout(Duration::from_secs(5), stats).await,

@@ -318,7 +318,7 @@ async fn nlb_flow_hash_spreads_flows_over_the_nodes() {
     let served = |ip: &'static str| async move {
         let mut cl = api_client(ip).await;
         let s = cl
-            .get_stats(StatsRequest {})
+            .get_stats(StatsRequest::default())
             .await
             .expect("GetStats")
             .into_inner();

@@ -285,7 +285,7 @@ async fn read_line(s: &mut tokio::net::TcpStream) -> Option<String> {
 }
 
 async fn stats_of(cl: &mut Client, service: &str) -> Option<lbscale_proto::ServiceStats> {
-    let s = tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest {}))
+    let s = tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest::default()))
         .await
         .expect("GetStats within 5 s")
         .expect("GetStats")

@@ -129,7 +129,7 @@ async fn wrong_or_missing_token_is_refused() {
     let node = start_node("auth", "127.77.0.1");
     let mut bad = client_with(&node.api, Some("not-the-token")).await;
     let e = bad
-        .get_stats(StatsRequest {})
+        .get_stats(StatsRequest::default())
         .await
         .expect_err("wrong token must be refused");
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
@@ -150,7 +150,7 @@ async fn wrong_or_missing_token_is_refused() {
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
     let mut good = client(&node).await;
     let s = good
-        .get_stats(StatsRequest {})
+        .get_stats(StatsRequest::default())
         .await
         .expect("good token")
         .into_inner();
@@ -176,7 +176,7 @@ async fn a_token_file_may_hold_the_tokens_sha256_only() {
     let node = start_node_with_token_file("authhash", "127.77.9.1", &format!("{hashed}\n"));
     let s = client(&node)
         .await
-        .get_stats(StatsRequest {})
+        .get_stats(StatsRequest::default())
         .await
         .expect("the token whose hash the file holds")
         .into_inner();
@@ -184,7 +184,7 @@ async fn a_token_file_may_hold_the_tokens_sha256_only() {
     for wrong in [hashed.as_str(), hex.as_str(), "not-the-token"] {
         let e = client_with(&node.api, Some(wrong))
             .await
-            .get_stats(StatsRequest {})
+            .get_stats(StatsRequest::default())
             .await
             .expect_err("only the token itself is accepted");
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{wrong}");
@@ -323,7 +323,7 @@ async fn http_round_robin_weights_and_disabled() {
     .await;
     assert_eq!(http_get(vip, "/").await.status, 503);
 
-    let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
     assert_eq!(st.config_version, 3);
 }
 
@@ -493,7 +493,7 @@ async fn tcp_relay_round_robin_and_bind_failure() {
         "message: {}",
         e.message()
     );
-    let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
     assert_eq!(
         st.config_version, 1,
         "the failed configuration is not applied"
@@ -550,7 +550,7 @@ async fn stats_and_drain() {
     // Throughput is measured over ~1 s windows: wait for a window with the traffic.
     let start = Instant::now();
     let st = loop {
-        let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+        let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
         if st.throughput_mbps > 0.0 || start.elapsed() > Duration::from_secs(3) {
             break st;
         }
@@ -595,7 +595,7 @@ async fn stats_and_drain() {
         d.active_connections, 1,
         "the held TCP connection is still active"
     );
-    let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
     assert_eq!(st.state, "draining");
     assert!(
         TcpStream::connect("127.77.4.1:8080").await.is_err(),
@@ -619,7 +619,7 @@ async fn stats_and_drain() {
     assert!(matches!(closed, Ok(0) | Err(_)));
     let start = Instant::now();
     loop {
-        let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+        let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
         if st.state == "drained" {
             assert_eq!(st.active_connections, 0);
             break;
@@ -699,7 +699,7 @@ async fn slow_start_cap_limits_a_service() {
     );
     assert!(nb >= 150 - allowed);
     // The stats show the cap in force, and that it is not a slow-start ramp.
-    let st = cl.get_stats(StatsRequest {}).await.unwrap().into_inner();
+    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
     let new = st.services.iter().find(|s| s.service == "new").unwrap();
     assert_eq!(new.cap_per_second, 5.0);
     assert!(

@@ -241,6 +241,9 @@ impl Cloud for LocalCloud {
             token_file.display().to_string(),
             "--memory-limit-mb".into(),
             req.memory_limit_mb.to_string(),
+            // Many nodes share this machine: each reports its own process.
+            "--stats".into(),
+            "process".into(),
         ];
         let mark = Mark::node(&req.node_id);
         let process = process::spawn_detached(&bin, &args, &dir.join("node.log"), &mark)?;

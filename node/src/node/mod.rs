@@ -24,6 +24,8 @@ use crate::metrics::Traffic;
 use crate::model::{Common, VsState, Vserver};
 use crate::service::ServiceRt;
 use crate::slowstart::Ramps;
+use crate::usage::{Kernel, Source};
+use crate::window::Window;
 
 /// Node options that the management API does not carry.
 #[derive(Clone, Debug)]
@@ -64,17 +66,12 @@ struct Inner {
     listeners: HashMap<(u16, Transport), Listener>,
 }
 
-/// The last second's measurements of the node (see `stats`).
-#[derive(Default, Clone, Copy)]
-struct Sample {
-    cpu_percent: f64,
-    throughput_mbps: f64,
-}
-
 pub struct Node {
     pub id: String,
     pub ip: IpAddr,
-    memory_limit_mb: u64,
+    /// Whose CPU and memory `stats` reports.
+    stats_source: Source,
+    kernel: Kernel,
     /// What every vserver shares with the node (kill token, counters, dialer).
     common: Common,
     /// Cancelled when the node drains: every listener closes.
@@ -82,7 +79,8 @@ pub struct Node {
     draining: AtomicBool,
     version: AtomicU64,
     inner: tokio::sync::Mutex<Inner>,
-    sample: Mutex<Sample>,
+    /// The snapshots `stats` takes its means from (the sampler keeps one a second).
+    window: Mutex<Window>,
     started: Instant,
     opts: NodeOpts,
     /// Health checks of the services (they wake `slow_start_loop`).
@@ -98,7 +96,7 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(id: String, ip: IpAddr, memory_limit_mb: u64, opts: NodeOpts) -> Arc<Self> {
+    pub fn new(id: String, ip: IpAddr, stats_source: Source, opts: NodeOpts) -> Arc<Self> {
         let node_hv = HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("node"));
         let dialer = Dialer::from_node(ip);
         let service_up = Arc::new(Notify::new());
@@ -106,7 +104,8 @@ impl Node {
         let node = Arc::new(Node {
             id,
             ip,
-            memory_limit_mb,
+            stats_source,
+            kernel: Kernel::default(),
             common: Common {
                 kill: CancellationToken::new(),
                 node_hv,
@@ -119,7 +118,7 @@ impl Node {
             draining: AtomicBool::new(false),
             version: AtomicU64::new(0),
             inner: tokio::sync::Mutex::new(Inner::default()),
-            sample: Mutex::new(Sample::default()),
+            window: Mutex::new(Window::default()),
             started: Instant::now(),
             ramps: Ramps::new(prober.clone(), ip),
             prober,

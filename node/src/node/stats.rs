@@ -1,5 +1,5 @@
-//! The node's statistics (`GetStats`) and the sampler that measures its rates
-//! every second.
+//! The node's statistics (`GetStats`) and the sampler that keeps a snapshot of
+//! its counters and measures its services' rates every second.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use lbscale_proto::{NodeStats, ServiceStats};
 
-use super::{Node, Sample};
+use super::Node;
 use crate::clock::now_ns;
-use crate::metrics;
 use crate::model::VsState;
 use crate::service::{ServiceRt, SvcEntry};
+use crate::window::Snapshot;
 
 /// A service's counters, as every statistics entry has them.
 fn counters(vserver: &str, rt: &ServiceRt) -> ServiceStats {
@@ -22,8 +22,21 @@ fn counters(vserver: &str, rt: &ServiceRt) -> ServiceStats {
         requests_total: rt.requests_total.load(Ordering::Relaxed),
         requests_per_second: f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)),
         active_connections: rt.active.load(Ordering::Relaxed),
-        avg_response_ms: f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed)),
+        avg_response_ms: avg_response_ms(rt),
         ..Default::default()
+    }
+}
+
+/// The last second's average response time, or the lifetime one before the
+/// sampler has measured a second with responses (the means of `stats` are
+/// taken when asked, its per-service rates once a second).
+fn avg_response_ms(rt: &ServiceRt) -> f64 {
+    let avg = f64::from_bits(rt.avg_ms_bits.load(Ordering::Relaxed));
+    let count = rt.resp_count.load(Ordering::Relaxed);
+    if avg == 0.0 && count > 0 {
+        rt.resp_us_total.load(Ordering::Relaxed) as f64 / count as f64 / 1000.0
+    } else {
+        avg
     }
 }
 
@@ -66,31 +79,23 @@ impl Node {
         r.clone()
     }
 
-    /// Every second: CPU of this process, throughput, per-service rates.
+    /// Every second: a snapshot of CPU, memory and bytes for the means of
+    /// `stats`, and the services' request rates.
     pub(super) async fn sampler(node: Weak<Node>) {
-        let Some(traffic) = node.upgrade().map(|n| n.common.traffic.clone()) else {
-            return;
-        };
-        let mut last_cpu = metrics::process_cpu_seconds().unwrap_or(0.0);
-        let mut last_bytes = traffic.bytes();
         let mut last_t = Instant::now();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
         loop {
+            // The first tick is now: a young node's window starts at its start.
             tick.tick().await;
             let Some(node) = node.upgrade() else { return };
+            let now = node.snapshot();
+            node.window
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keep(now);
             let dt = last_t.elapsed().as_secs_f64().max(1e-3);
             last_t = Instant::now();
-            let cpu = metrics::process_cpu_seconds().unwrap_or(last_cpu);
-            let bytes = traffic.bytes();
-            let s = Sample {
-                cpu_percent: ((cpu - last_cpu) / dt * 100.0).max(0.0),
-                throughput_mbps: (bytes - last_bytes) as f64 * 8.0 / 1e6 / dt,
-            };
-            last_cpu = cpu;
-            last_bytes = bytes;
-            *node.sample.lock().unwrap_or_else(|e| e.into_inner()) = s;
             for st in node.states().await {
                 for e in &st.services {
                     sample_rates(&e.rt, dt);
@@ -99,12 +104,25 @@ impl Node {
         }
     }
 
-    pub async fn stats(&self) -> NodeStats {
-        let sample = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
-        let memory_percent = match (metrics::process_rss_kb(), self.memory_limit_mb) {
-            (Some(kb), lim) if lim > 0 => kb as f64 / (lim as f64 * 1024.0) * 100.0,
-            _ => 0.0,
-        };
+    /// The counters now, continuing the kept snapshots.
+    fn snapshot(&self) -> Snapshot {
+        let t_ns = now_ns();
+        let uptime_s = self.started.elapsed().as_secs_f64();
+        let reading = self.kernel.reading(self.stats_source, uptime_s);
+        let bytes = self.common.traffic.bytes();
+        let window = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        window.snapshot(t_ns, reading, bytes)
+    }
+
+    /// The statistics, CPU, memory and throughput as their means over the
+    /// last `window` (zero: the last second; see `crate::window`).
+    pub async fn stats(&self, window: Duration) -> NodeStats {
+        let now = self.snapshot();
+        let means = self
+            .window
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .means(&now, window.as_nanos().min(u64::MAX as u128) as u64);
         let mut forwarded = Vec::new();
         let mut served_connections_total = HashMap::new();
         let mut states = {
@@ -139,9 +157,11 @@ impl Node {
             node_id: self.id.clone(),
             state: self.state_name().to_string(),
             config_version: self.version(),
-            cpu_percent: sample.cpu_percent,
-            memory_percent,
-            throughput_mbps: sample.throughput_mbps,
+            cpu_percent: means.cpu_percent,
+            memory_percent: means.memory_percent,
+            throughput_mbps: means.throughput_mbps,
+            window_ms: means.window_ms,
+            stats_source: self.stats_source.name().to_string(),
             active_connections: traffic.active_connections(),
             total_connections: traffic.total_connections(),
             services,

@@ -483,7 +483,7 @@ pub fn test_group_peers(ip: &str) -> Vec<String> {
 pub async fn requests_total(cl: &mut Client, service: &str) -> u64 {
     let s = tokio::time::timeout(
         Duration::from_secs(5),
-        cl.get_stats(lbscale_proto::StatsRequest {}),
+        cl.get_stats(lbscale_proto::StatsRequest::default()),
     )
     .await
     .expect("GetStats within 5 s")
