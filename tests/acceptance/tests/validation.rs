@@ -374,3 +374,87 @@ resource "lbscale_autoscale_group" "other" {{
     ws.destroy();
     ws.assert_nothing_left(&[]);
 }
+
+/// The `node` block's rules at validate time: a field that the group's cloud
+/// does not take is named with the cloud; subnets cover exactly the zones;
+/// each value's shape on its cloud.
+#[test]
+fn node_block_fields_are_checked_per_cloud() {
+    let ws = Workspace::new("validate-node", 134);
+    let group = |name: &str, cloud: &str, zones: &str, node: &str| {
+        format!(
+            r#"
+resource "lbscale_autoscale_group" "{name}" {{
+  name                   = "{name}"
+  cloud                  = "{cloud}"
+  availability_zones     = [{zones}]
+  traffic_distributor_id = "td-x"
+  threshold {{
+    metric = "cpu"
+    min    = 10
+    max    = 80
+  }}
+  node {{
+{node}  }}
+}}
+"#
+        )
+    };
+    let config = [
+        group(
+            "onlocal",
+            "local",
+            "\"az1\"",
+            "    memory_limit_mb = 128\n    image           = \"ami-1\"   # local image\n    identity        = \"nodes\"   # local identity\n",
+        ),
+        group(
+            "onaws",
+            "aws",
+            "\"us-east-1a\", \"us-east-1b\"",
+            "    image            = \"debian-12\" # aws image\n    subnets          = { \"us-east-1a\" = \"subnet-1\", \"us-east-1c\" = \"subnet-3\" } # aws subnets\n    security_groups  = [\"sg-1\", \"default\"] # aws groups\n    management_cidrs = [\"10.0.0.0/33\"] # aws cidrs\n    tags             = { \"lbscale:node-id\" = \"x\" } # aws tags\n    memory_limit_mb  = 16 # aws memory\n",
+        ),
+        group(
+            "onazure",
+            "azure",
+            "\"1\"",
+            "    security_groups = [\"/subscriptions/s/a\", \"/subscriptions/s/b\"] # azure groups\n    subnets         = { \"1\" = \"subnet-1\" } # azure subnets\n",
+        ),
+        group(
+            "ongcp",
+            "gcp",
+            "\"us-central1-a\"",
+            "    tags     = { Team = \"web\" } # gcp tags\n    identity = \"nodes\"          # gcp identity\n",
+        ),
+    ]
+    .concat();
+    ws.write(&config);
+    let out = ws.tf(&["validate", "-no-color"]);
+    assert_eq!(out.code, 1, "{}", out.all());
+    check(
+        &ws,
+        &out,
+        &[
+            ("# local image", "node.image is not supported on cloud \"local\"; the local cloud takes memory_limit_mb in the node block."),
+            ("# local identity", "node.identity is not supported on cloud \"local\""),
+            ("# aws image", "node.image on aws must be an AMI id such as \"ami-0123456789abcdef0\", got \"debian-12\"."),
+            ("# aws subnets", "node.subnets gives a subnet for \"us-east-1c\", which is not in availability_zones (\"us-east-1a\", \"us-east-1b\")."),
+            ("# aws subnets", "node.subnets must give a subnet for every availability zone when it is given: \"us-east-1b\" has none."),
+            ("# aws groups", "node.security_groups[1] on aws must be a security group id such as \"sg-0123456789abcdef0\", got \"default\"."),
+            ("# aws cidrs", "node.management_cidrs opens the node API port in the security group that lbscale makes, and lbscale makes none when node.security_groups is given"),
+            ("# aws cidrs", "node.management_cidrs[0] must be an IPv4 or IPv6 CIDR such as \"10.0.0.0/16\" (the prefix length is too long), got \"10.0.0.0/33\"."),
+            ("# aws tags", "node.tags[\"lbscale:node-id\"] on aws: \"Name\" and keys starting with \"lbscale:\" are lbscale's own."),
+            ("# aws memory", "node.memory_limit_mb must be between 32 and 65536, got 16."),
+            ("# azure groups", "node.security_groups on azure takes one network security group id (a network interface has one), got 2."),
+            ("# azure subnets", "node.subnets[\"1\"] on azure must be a subnet resource id"),
+            ("# gcp tags", "node.tags[\"Team\"] on gcp is a label"),
+            ("# gcp identity", "node.identity on gcp must be a service account email, got \"nodes\"."),
+        ],
+        "error",
+    );
+    // Nothing else is refused.
+    let errors: Vec<Diag> = diagnostics(&out.all())
+        .into_iter()
+        .filter(|d| d.severity == "error")
+        .collect();
+    assert_eq!(errors.len(), 14, "{errors:#?}");
+}
