@@ -11,6 +11,11 @@
 #   scripts/gcp-fake.sh metadata  prints its metadata server's host:port
 #   scripts/gcp-fake.sh stop    stops it and removes its files
 #
+# With $LBSCALE_GCP_FAKE_NODE_BIN (a directory holding lbscale-node), an
+# instance whose private address is on loopback (a subnetwork of 127.x made
+# through /_fake/subnetworks) runs its startup script as its boot would, and is
+# stopped when it is deleted or the fake stops.
+#
 # Its files live in $LBSCALE_GCP_FAKE_DIR (default /tmp/lbscale-gcp-fake-$UID);
 # each test of the driver starts its own in a directory of its own.
 set -euo pipefail
@@ -40,8 +45,10 @@ start() {
     meta=$(free_port)
     url="https://127.0.0.1:$port"
     # Its own session, so that a test's process-group kill cannot reach it.
+    local boot=()
+    [ -z "${LBSCALE_GCP_FAKE_NODE_BIN:-}" ] || boot=(--node-bin "$LBSCALE_GCP_FAKE_NODE_BIN")
     setsid python3 "$root/clouds/gcp/fake/gcp_fake.py" --dir "$dir" --port "$port" --metadata-port "$meta" \
-        --cert "$dir/tls/server.crt" --key "$dir/tls/server.key" >"$dir/server.log" 2>&1 </dev/null &
+        --cert "$dir/tls/server.crt" --key "$dir/tls/server.key" "${boot[@]}" >"$dir/server.log" 2>&1 </dev/null &
     echo $! >"$dir/pid"
     for _ in $(seq 1 100); do
         if curl -sf --max-time 2 --cacert "$dir/tls/ca.pem" -X POST "$url/_fake/state" >/dev/null 2>&1; then

@@ -279,6 +279,43 @@ class Fake:
         self.changes = {}  # zone -> {id: [Change, due]}
         self.key_id, self.client_email, self.modulus = make_key(args.dir, f"https://127.0.0.1:{args.port}/token")
         self.log_path = os.environ.get("LBSCALE_FAKE_TRAFFIC_LOG")
+        self.dir = args.dir
+        self.node_bin = args.node_bin
+        self.booted = {}  # (zone, name) -> pid of its startup script's process group
+
+    def boot(self, zone, instance):
+        """Runs an instance's startup script as its boot would, when its
+        private address is on this machine (a loopback subnetwork) and the
+        fake was given lbscale-node: files in a directory of its own instead
+        of /etc/lbscale, listening on its address instead of every address,
+        the metadata server's answer about its address given by a `curl` on
+        the PATH."""
+        ip = instance["networkInterfaces"][0].get("networkIP", "")
+        items = {i["key"]: i.get("value", "") for i in instance["metadata"].get("items", [])}
+        if not self.node_bin or not ip.startswith("127.") or "startup-script" not in items:
+            return
+        d = os.path.join(self.dir, "instances", zone, instance["name"])
+        os.makedirs(os.path.join(d, "bin"), exist_ok=True)
+        script = items["startup-script"].replace("/etc/lbscale", d).replace("--listen-ip 0.0.0.0", f"--listen-ip {ip}")
+        with open(os.path.join(d, "boot.sh"), "w") as f:
+            f.write(script)
+        curl = os.path.join(d, "bin", "curl")
+        with open(curl, "w") as f:
+            f.write(f"#!/bin/sh\ncase \"$*\" in\n  *network-interfaces/0/ip*) printf '%s' '{ip}' ;;\n  *) exit 22 ;;\nesac\n")
+        os.chmod(curl, 0o755)
+        env = dict(os.environ, PATH=f"{d}/bin:{self.node_bin}:{os.environ.get('PATH', '')}")
+        log = open(os.path.join(d, "node.log"), "ab")
+        p = subprocess.Popen(["sh", os.path.join(d, "boot.sh")], env=env, stdout=log, stderr=log,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        self.booted[(zone, instance["name"])] = p.pid
+
+    def halt(self, zone, name):
+        pid = self.booted.pop((zone, name), None)
+        if pid:
+            try:
+                os.killpg(pid, 9)
+            except ProcessLookupError:
+                pass
 
     def new_id(self):
         self.next_id += 1
@@ -573,6 +610,7 @@ class Compute:
                 ac.setdefault("natIP", self.next_external())
             instance["status"] = "RUNNING"
             instance["lastStartTimestamp"] = now_rfc3339()
+            self.f.boot(zone, instance)
 
         self.f.instances[(zone, name)] = instance
         return self.f.operation(base, "zone", zone, instance["selfLink"], "insert", done, rid)
@@ -612,6 +650,7 @@ class Compute:
 
         def done():
             self.f.instances.pop((zone, p["instance"]), None)
+            self.f.halt(zone, p["instance"])
             for pool in self.f.pools.values():
                 pool["instances"] = [u for u in pool.get("instances", []) if short(u) != short(i["selfLink"])]
 
@@ -1120,6 +1159,7 @@ def make_handler(fake, handlers, metadata):
                         "managedZones": list(fake.zones.values()),
                         "rrsets": {z: list(r.values()) for z, r in fake.records.items()},
                         "faults": fake.faults,
+                        "booted": sorted(f"{z}/{n}" for z, n in fake.booted),
                     }, None
                 if path == "/_fake/faults":
                     fake.faults.append({"method": arg["method"], "status": int(arg.get("status", 503)),
@@ -1150,6 +1190,7 @@ def main():
     ap.add_argument("--metadata-port", type=int, required=True)
     ap.add_argument("--cert", required=True)
     ap.add_argument("--key", required=True)
+    ap.add_argument("--node-bin", help="a directory with lbscale-node: instances on loopback run their startup script")
     args = ap.parse_args()
     fake = Fake(args)
     handlers = {**Compute(fake).handlers(), **Dns(fake).handlers()}
@@ -1162,6 +1203,14 @@ def main():
     api.socket = ctx.wrap_socket(api.socket, server_side=True)
     meta = http.server.ThreadingHTTPServer(("127.0.0.1", args.metadata_port), make_handler(fake, handlers, True))
     threading.Thread(target=meta.serve_forever, daemon=True).start()
+    import signal
+
+    def stop(*_):
+        with fake.lock:
+            for zone, name in list(fake.booted):
+                fake.halt(zone, name)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
     print(f"gcp_fake: serving on https://127.0.0.1:{args.port} (metadata http://127.0.0.1:{args.metadata_port})", flush=True)
     api.serve_forever()
 

@@ -32,6 +32,13 @@ fn root() -> PathBuf {
 impl GcpFake {
     /// Starts a fake of its own for `test`. Only python3, curl and openssl are needed.
     pub fn start(test: &str) -> GcpFake {
+        GcpFake::start_with(test, None)
+    }
+
+    /// As [`GcpFake::start`]; with `node_bin` (a directory holding
+    /// `lbscale-node`), an instance in a loopback subnetwork runs its
+    /// startup script as its boot would (see scripts/gcp-fake.sh).
+    pub fn start_with(test: &str, node_bin: Option<&Path>) -> GcpFake {
         let dir =
             std::env::temp_dir().join(format!("lbscale-gcp-fake-{test}-{}", std::process::id()));
         let script = root().join("scripts/gcp-fake.sh");
@@ -40,6 +47,10 @@ impl GcpFake {
                 .arg(cmd)
                 .env("LBSCALE_GCP_FAKE_DIR", &dir)
                 .env("LBSCALE_FAKE_TRAFFIC_LOG", dir.join("traffic.jsonl"))
+                .env(
+                    "LBSCALE_GCP_FAKE_NODE_BIN",
+                    node_bin.map(|p| p.as_os_str()).unwrap_or_default(),
+                )
                 .output()
                 .expect("scripts/gcp-fake.sh");
             assert!(
@@ -113,6 +124,11 @@ impl GcpFake {
             code.parse().unwrap_or(0),
             serde_json::from_str(body).unwrap_or(Value::Null),
         )
+    }
+
+    /// The booted instances' directories (`instances/ZONE/NAME`: boot.sh, node.log).
+    pub fn instance_dir(&self, zone: &str, name: &str) -> PathBuf {
+        self.dir.join("instances").join(zone).join(name)
     }
 
     /// Everything the fake holds.
