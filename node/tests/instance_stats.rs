@@ -58,9 +58,12 @@ fn process_rss_kb(pid: u32) -> f64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// A (busy, total) reading and when it was taken.
+type Timed = (Instant, (f64, f64));
+
 /// Readings of a counter every 5 ms, with when they were taken, until dropped.
 struct Recorder {
-    readings: Arc<Mutex<Vec<(Instant, (f64, f64))>>>,
+    readings: Arc<Mutex<Vec<Timed>>>,
     stop: Arc<AtomicBool>,
 }
 
