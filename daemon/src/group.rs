@@ -239,10 +239,12 @@ pub async fn evaluate(
     if finish_deletion(shared, row).await? {
         return Ok(Next::Requeue(interval));
     }
+    // Before the resume: a resume that failed on the distributor waits for
+    // its back-off, but what the distributor serves is checked every interval.
+    settle_publication(shared, row, interval);
     if resume(shared, rt, row, now).await? {
         return Ok(Next::Requeue(interval));
     }
-    settle_publication(shared, row, interval);
     let Some(seen) = observe(shared, rt, row).await? else {
         return Ok(Next::Requeue(interval)); // gone meanwhile
     };
