@@ -1,0 +1,414 @@
+//! The azure `nlb` distributor: one Standard Load Balancer per distributor
+//! (internal: its frontends are in the groups' subnets).
+//!
+//! - one zonal frontend per availability zone, in the subnet that the
+//!   groups' `node.subnets` give there: one VIP per zone, as the local and
+//!   aws `nlb`;
+//! - a backend pool per zone of the zone's serving nodes (by address); a
+//!   port whose targets are not all of them (SE scale-out) gets a pool of its
+//!   own in the zone: the native primary only (`First`: the load balancer
+//!   has no ordered failover, and the engine republishes when the primary
+//!   fails), or the holders (`FlowHash`: the load balancer's 5-tuple hash);
+//! - a TCP health probe and a rule per published port and zone.
+//!
+//! The load balancer is one resource that other writers may change too: it
+//! is read, the whole wanted body is put with `If-Match` of the ETag read,
+//! and a 412 (someone wrote in between) reads it again.
+
+use super::{arm, AzureCloud};
+use lbscale_engine::cloud::{Balance, CloudError, Publication, Result};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+
+const NET_VERSION: &str = "2025-07-01";
+/// Tries of a read-modify-write that other writers keep beating.
+const ETAG_ATTEMPTS: u32 = 5;
+
+/// What the load balancer must be: frontends, pools, probes and rules.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Shape {
+    /// Frontend name -> (zone, subnet id, lower case).
+    frontends: BTreeMap<String, (String, String)>,
+    /// Pool name -> addresses.
+    pools: BTreeMap<String, BTreeSet<String>>,
+    /// Probe name -> port.
+    probes: BTreeMap<String, i64>,
+    /// Rule name -> (frontend, pool, probe, port).
+    rules: BTreeMap<String, (String, String, String, i64)>,
+}
+
+impl AzureCloud {
+    fn lb_path(&self, id: &str) -> String {
+        self.arm.in_group(
+            &self.resource_group,
+            &format!("Microsoft.Network/loadBalancers/{}", Self::name_of(id, 80)),
+        )
+    }
+
+    /// Makes the load balancer hand out `publication` (none when nothing is
+    /// published: it costs while it exists).
+    pub(super) async fn publish_nlb(&self, id: &str, publication: &Publication) -> Result<()> {
+        let wanted = wanted_shape(publication)?;
+        if wanted.frontends.is_empty() {
+            self.remove_nlb(id).await?;
+            return Ok(());
+        }
+        let path = self.lb_path(id);
+        let what = format!("load balancer PUT {}", Self::name_of(id, 80));
+        let mut attempt = 1;
+        let lb = loop {
+            let current = self.arm.get("load balancer GET", &path, NET_VERSION).await?;
+            if let Some(c) = &current {
+                if shape_of(&c.body) == wanted {
+                    break c.body.clone();
+                }
+            }
+            let body = self.lb_body(id, &path, &wanted, current.as_ref().map(|c| &c.body));
+            let etag = current
+                .as_ref()
+                .and_then(|c| c.body["etag"].as_str())
+                .map(str::to_string);
+            let condition = match &etag {
+                Some(e) => ("if-match", e.as_str()),
+                None => ("if-none-match", "*"),
+            };
+            match self.arm.put(&what, &path, NET_VERSION, &body, &[condition]).await {
+                Ok(after) if shape_of(&after) == wanted => break after,
+                Ok(after) => {
+                    return Err(CloudError::Failed(format!(
+                        "Azure {what}: after the PUT the load balancer is not what was put (it has {:?}, wanted {:?})",
+                        shape_of(&after),
+                        wanted
+                    )))
+                }
+                Err(e) if e.status == 412 && attempt < ETAG_ATTEMPTS => {
+                    tracing::debug!(lb = %Self::name_of(id, 80), attempt, "the load balancer changed since it was read; reading it again");
+                    attempt += 1;
+                }
+                Err(e) => return Err(arm::failed(&what, e)),
+            }
+        };
+        let mut rt = self.runtime_checked(id)?;
+        rt.nlb_addresses = lb["properties"]["frontendIPConfigurations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                Some((
+                    f["zones"][0].as_str()?.to_string(),
+                    f["properties"]["privateIPAddress"].as_str()?.to_string(),
+                ))
+            })
+            .collect();
+        self.save_runtime(id, &rt)
+    }
+
+    pub(super) async fn remove_nlb(&self, id: &str) -> Result<()> {
+        self.arm
+            .delete(
+                &format!("load balancer DELETE {}", Self::name_of(id, 80)),
+                &self.lb_path(id),
+                NET_VERSION,
+            )
+            .await?;
+        let mut rt = self.runtime_checked(id)?;
+        rt.nlb_addresses.clear();
+        self.save_runtime(id, &rt)
+    }
+
+    /// The whole load balancer of `shape`; a frontend keeps the address it has.
+    fn lb_body(&self, id: &str, path: &str, shape: &Shape, current: Option<&Value>) -> Value {
+        let had: BTreeMap<String, String> = current
+            .and_then(|c| c["properties"]["frontendIPConfigurations"].as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                Some((
+                    f["name"].as_str()?.to_string(),
+                    f["properties"]["privateIPAddress"].as_str()?.to_string(),
+                ))
+            })
+            .collect();
+        let vnets: BTreeMap<&str, String> = shape
+            .frontends
+            .values()
+            .map(|(zone, subnet)| (zone.as_str(), vnet_of(subnet)))
+            .collect();
+        let frontends: Vec<Value> = shape
+            .frontends
+            .iter()
+            .map(|(name, (zone, subnet))| {
+                let mut props = json!({"subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic"});
+                if let Some(ip) = had.get(name) {
+                    props["privateIPAddress"] = json!(ip);
+                }
+                json!({"name": name, "zones": [zone], "properties": props})
+            })
+            .collect();
+        let pools: Vec<Value> = shape
+            .pools
+            .iter()
+            .map(|(name, addresses)| {
+                let zone = zone_of_pool(name);
+                let vnet = vnets.get(zone).cloned().unwrap_or_default();
+                let members: Vec<Value> = addresses
+                    .iter()
+                    .map(|ip| {
+                        json!({"name": format!("a-{}", ip.replace(['.', ':'], "-")),
+                               "properties": {"ipAddress": ip, "virtualNetwork": {"id": vnet}}})
+                    })
+                    .collect();
+                json!({"name": name, "properties": {"loadBalancerBackendAddresses": members}})
+            })
+            .collect();
+        let probes: Vec<Value> = shape
+            .probes
+            .iter()
+            .map(|(name, port)| {
+                json!({"name": name, "properties": {"protocol": "Tcp", "port": port, "intervalInSeconds": 5, "numberOfProbes": 2}})
+            })
+            .collect();
+        let rules: Vec<Value> = shape
+            .rules
+            .iter()
+            .map(|(name, (fe, pool, probe, port))| {
+                json!({"name": name, "properties": {
+                    "frontendIPConfiguration": {"id": format!("{path}/frontendIPConfigurations/{fe}")},
+                    "backendAddressPool": {"id": format!("{path}/backendAddressPools/{pool}")},
+                    "probe": {"id": format!("{path}/probes/{probe}")},
+                    "protocol": "Tcp",
+                    "frontendPort": port,
+                    "backendPort": port,
+                    "enableFloatingIP": false,
+                    "idleTimeoutInMinutes": 4,
+                    "loadDistribution": "Default",
+                    "disableOutboundSnat": true,
+                }})
+            })
+            .collect();
+        json!({
+            "location": self.location,
+            "sku": {"name": "Standard", "tier": "Regional"},
+            "tags": {"lbscale-distributor-id": id},
+            "properties": {
+                "frontendIPConfigurations": frontends,
+                "backendAddressPools": pools,
+                "probes": probes,
+                "loadBalancingRules": rules,
+            },
+        })
+    }
+}
+
+/// The load balancer that `publication` asks for; an error names a zone
+/// without one subnet.
+fn wanted_shape(publication: &Publication) -> Result<Shape> {
+    let mut shape = Shape::default();
+    for (zone, ports) in publication.ports.iter().filter(|(_, p)| !p.is_empty()) {
+        let subnets = publication.subnets.get(zone).cloned().unwrap_or_default();
+        let subnet = match subnets.len() {
+            1 => subnets.into_iter().next().unwrap_or_default(),
+            0 => {
+                return Err(CloudError::Failed(format!(
+                    "an azure nlb distributor needs the subnet of zone {zone} for its frontend there: give it in the groups' node.subnets"
+                )))
+            }
+            _ => {
+                return Err(CloudError::Failed(format!(
+                    "the groups of this azure nlb distributor give different subnets in zone {zone} ({}): its frontend there can be in one only",
+                    subnets.into_iter().collect::<Vec<_>>().join(", ")
+                )))
+            }
+        };
+        let fe = format!("fe-{zone}");
+        shape
+            .frontends
+            .insert(fe.clone(), (zone.clone(), subnet.to_ascii_lowercase()));
+        let nodes: BTreeSet<String> = publication
+            .endpoints
+            .get(zone)
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        for port in ports {
+            let placed = publication.port_targets.get(zone).and_then(|p| p.get(port));
+            let targets: BTreeSet<String> = match placed {
+                Some(t) if t.balance == Balance::First => t.addresses.iter().take(1).cloned().collect(),
+                Some(t) => t.addresses.iter().cloned().collect(),
+                None => nodes.clone(),
+            };
+            let pool = if targets == nodes {
+                format!("z{zone}")
+            } else {
+                format!("z{zone}-p{port}")
+            };
+            shape.pools.insert(pool.clone(), targets);
+            let probe = format!("p{port}");
+            shape.probes.insert(probe.clone(), *port as i64);
+            shape
+                .rules
+                .insert(format!("z{zone}-p{port}"), (fe.clone(), pool, probe, *port as i64));
+        }
+    }
+    Ok(shape)
+}
+
+/// The shape of a load balancer as ARM returns it.
+fn shape_of(lb: &Value) -> Shape {
+    let p = &lb["properties"];
+    let items = |k: &str| p[k].as_array().cloned().unwrap_or_default();
+    let last = |v: &Value| {
+        v["id"]
+            .as_str()
+            .and_then(|s| s.rsplit('/').next())
+            .unwrap_or("")
+            .to_string()
+    };
+    Shape {
+        frontends: items("frontendIPConfigurations")
+            .iter()
+            .map(|f| {
+                (
+                    f["name"].as_str().unwrap_or("").to_string(),
+                    (
+                        f["zones"][0].as_str().unwrap_or("").to_string(),
+                        f["properties"]["subnet"]["id"].as_str().unwrap_or("").to_ascii_lowercase(),
+                    ),
+                )
+            })
+            .collect(),
+        pools: items("backendAddressPools")
+            .iter()
+            .map(|b| {
+                (
+                    b["name"].as_str().unwrap_or("").to_string(),
+                    b["properties"]["loadBalancerBackendAddresses"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|a| a["properties"]["ipAddress"].as_str().map(str::to_string))
+                        .collect(),
+                )
+            })
+            .collect(),
+        probes: items("probes")
+            .iter()
+            .map(|r| {
+                (
+                    r["name"].as_str().unwrap_or("").to_string(),
+                    r["properties"]["port"].as_i64().unwrap_or(0),
+                )
+            })
+            .collect(),
+        rules: items("loadBalancingRules")
+            .iter()
+            .map(|r| {
+                let rp = &r["properties"];
+                (
+                    r["name"].as_str().unwrap_or("").to_string(),
+                    (
+                        last(&rp["frontendIPConfiguration"]),
+                        last(&rp["backendAddressPool"]),
+                        last(&rp["probe"]),
+                        rp["frontendPort"].as_i64().unwrap_or(0),
+                    ),
+                )
+            })
+            .collect(),
+    }
+}
+
+/// The zone of a pool named `z<zone>` or `z<zone>-p<port>`.
+fn zone_of_pool(name: &str) -> &str {
+    let z = name.strip_prefix('z').unwrap_or(name);
+    match z.rfind("-p") {
+        Some(i) if z[i + 2..].chars().all(|c| c.is_ascii_digit()) && i + 2 < z.len() => &z[..i],
+        _ => z,
+    }
+}
+
+/// The virtual network of a subnet id (`…/virtualNetworks/V/subnets/S`).
+fn vnet_of(subnet: &str) -> String {
+    let low = subnet.to_ascii_lowercase();
+    match low.rfind("/subnets/") {
+        Some(i) => subnet[..i].to_string(),
+        None => subnet.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lbscale_engine::cloud::PortTargets;
+
+    fn publication() -> Publication {
+        let mut p = Publication::default();
+        for (z, ips) in [("1", vec!["10.0.1.4", "10.0.1.5"]), ("2", vec!["10.0.2.4"])] {
+            p.endpoints.insert(z.into(), ips.into_iter().map(String::from).collect());
+            p.ports.insert(z.into(), vec![80, 443]);
+            p.subnets.insert(
+                z.into(),
+                [format!("/subscriptions/s/resourceGroups/g/providers/Microsoft.Network/virtualNetworks/v/subnets/z{z}")]
+                    .into_iter()
+                    .collect(),
+            );
+        }
+        p
+    }
+
+    #[test]
+    fn a_pool_per_zone_and_a_rule_per_port_and_zone() {
+        let s = wanted_shape(&publication()).unwrap();
+        assert_eq!(s.frontends.len(), 2);
+        assert_eq!(s.frontends["fe-1"].0, "1");
+        assert_eq!(s.pools.keys().collect::<Vec<_>>(), ["z1", "z2"]);
+        assert_eq!(s.pools["z1"].len(), 2);
+        assert_eq!(s.rules["z2-p443"], ("fe-2".into(), "z2".into(), "p443".into(), 443));
+        assert_eq!(s.probes.keys().collect::<Vec<_>>(), ["p443", "p80"]);
+    }
+
+    #[test]
+    fn placement_gets_pools_of_its_own() {
+        let mut p = publication();
+        p.port_targets.entry("1".into()).or_default().insert(
+            443,
+            PortTargets {
+                addresses: vec!["10.0.1.5".into(), "10.0.1.4".into()],
+                balance: Balance::First,
+            },
+        );
+        p.port_targets.entry("1".into()).or_default().insert(
+            80,
+            PortTargets {
+                addresses: vec!["10.0.1.4".into(), "10.0.1.5".into()],
+                balance: Balance::FlowHash,
+            },
+        );
+        let s = wanted_shape(&p).unwrap();
+        // The native primary only.
+        assert_eq!(s.pools["z1-p443"].iter().collect::<Vec<_>>(), ["10.0.1.5"]);
+        assert_eq!(s.rules["z1-p443"].1, "z1-p443");
+        // Every holder: the zone's pool.
+        assert_eq!(s.rules["z1-p80"].1, "z1");
+        assert_eq!(zone_of_pool("z1-p443"), "1");
+        assert_eq!(zone_of_pool("zeastus-2"), "eastus-2");
+    }
+
+    #[test]
+    fn a_zone_needs_one_subnet() {
+        let mut p = publication();
+        p.subnets.remove("2");
+        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else { panic!() };
+        assert!(e.contains("zone 2") && e.contains("node.subnets"), "{e}");
+        let mut p = publication();
+        p.subnets.get_mut("2").unwrap().insert("/x/subnets/other".into());
+        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else { panic!() };
+        assert!(e.contains("different subnets in zone 2"), "{e}");
+    }
+
+    #[test]
+    fn subnet_ids_give_their_network() {
+        assert_eq!(vnet_of("/s/virtualNetworks/v/subnets/a"), "/s/virtualNetworks/v");
+    }
+}
