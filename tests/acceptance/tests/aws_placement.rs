@@ -671,3 +671,30 @@ fn aws_engine(moto: &Moto, ws: &Workspace) -> lbscale_engine::Engine {
     lbscale_engine::Engine::open("sqlite://.lbscale/state.db", &ws.dir, clouds)
         .expect("open the engine")
 }
+
+/// The image may come from the group's `node` block alone: without one there
+/// nor in the provider's aws block, the plan refuses the group, naming both.
+#[test]
+fn the_image_comes_from_the_node_block_or_the_provider() {
+    let Some(moto) = moto("the_image_comes_from_the_node_block_or_the_provider") else {
+        return;
+    };
+    let mut ws = Workspace::new("aws-placement-image", 136);
+    ws.provider_blocks = aws_block(&moto).replace("    image_id    = \"ami-12c6146b\"\n", "");
+    let group = unique("img");
+    let with_image = stack(&group, "dns", "    image = \"ami-12c6146b\"\n", &[], 1);
+    ws.write(&with_image);
+    let o = ws.plan();
+    assert_eq!(o.code, 2, "the block's image is enough:\n{}", o.all());
+    ws.write(&stack(&group, "dns", "    size = \"t3.small\"\n", &[], 1));
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    let d = diagnostics(&o.all());
+    assert!(
+        d.iter().any(|d| d.summary == "Cloud not usable"
+            && d.text.contains(
+                "set `image` in the group's node block, or image_id in the provider's aws block"
+            )),
+        "{d:#?}"
+    );
+}
