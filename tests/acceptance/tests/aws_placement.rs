@@ -216,7 +216,8 @@ fn made_groups(moto: &Moto, group_id: &str) -> BTreeMap<String, BTreeSet<String>
 /// and is stopped when moto says it is terminated.
 struct StandIns {
     stop: Arc<AtomicBool>,
-    booted: Arc<Mutex<BTreeMap<String, u32>>>,
+    /// Instance id -> the process its user data execs (None once stopped).
+    booted: Arc<Mutex<BTreeMap<String, Option<std::process::Child>>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -235,14 +236,13 @@ impl StandIns {
                 while !stop.load(Ordering::SeqCst) {
                     for i in instances(&moto, &group) {
                         let mut b = booted.lock().unwrap();
-                        match (i.state.as_str(), b.get(&i.id).copied()) {
+                        match (i.state.as_str(), b.get_mut(&i.id)) {
                             ("running" | "pending", None) if !i.private_ip.is_empty() => {
-                                let pid = boot(&moto, &i, &dir.join(&i.id));
-                                b.insert(i.id.clone(), pid);
+                                let child = boot(&moto, &i, &dir.join(&i.id));
+                                b.insert(i.id.clone(), Some(child));
                             }
-                            ("shutting-down" | "terminated" | "stopped", Some(pid)) if pid > 0 => {
-                                sigkill(pid);
-                                b.insert(i.id.clone(), 0);
+                            ("shutting-down" | "terminated" | "stopped", Some(child)) => {
+                                stop_node(child.take());
                             }
                             _ => {}
                         }
@@ -269,16 +269,22 @@ impl Drop for StandIns {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        for pid in self.booted.lock().unwrap().values() {
-            if *pid > 0 {
-                sigkill(*pid);
-            }
+        for child in self.booted.lock().unwrap().values_mut() {
+            stop_node(child.take());
         }
     }
 }
 
-/// Runs instance `i`'s user data in `dir`; the pid of what it execs.
-fn boot(moto: &Moto, i: &Instance, dir: &Path) -> u32 {
+/// Kills a stand-in's node and reaps it.
+fn stop_node(child: Option<std::process::Child>) {
+    if let Some(mut c) = child {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Runs instance `i`'s user data in `dir`; the process (it execs the node).
+fn boot(moto: &Moto, i: &Instance, dir: &Path) -> std::process::Child {
     std::fs::create_dir_all(dir.join("bin")).unwrap();
     let script = moto
         .user_data(&i.id)
@@ -304,14 +310,13 @@ fn boot(moto: &Moto, i: &Instance, dir: &Path) -> u32 {
         std::env::var("PATH").unwrap_or_default()
     );
     let log = std::fs::File::create(dir.join("node.log")).unwrap();
-    let child = std::process::Command::new("sh")
+    std::process::Command::new("sh")
         .arg(dir.join("boot.sh"))
         .env("PATH", path)
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
-        .expect("run the user data");
-    child.id()
+        .expect("run the user data")
 }
 
 fn node_log(dir: &Path) -> String {
