@@ -352,6 +352,27 @@ impl ManagedObject for Group {
                 PathStep::Attr("memory_limit_mb"),
             ];
             whole_number(&mut f, at, "node.memory_limit_mb", &n.memory_limit_mb);
+            // An empty list or map reads back as none given: refused, so that
+            // the state always says what the configuration does.
+            let empty = [
+                ("subnets", known(&n.subnets).is_some_and(|m| m.is_empty())),
+                (
+                    "security_groups",
+                    known(&n.security_groups).is_some_and(|l| l.is_empty()),
+                ),
+                (
+                    "management_cidrs",
+                    known(&n.management_cidrs).is_some_and(|l| l.is_empty()),
+                ),
+                ("tags", known(&n.tags).is_some_and(|m| m.is_empty())),
+            ];
+            for (field, _) in empty.iter().filter(|(_, e)| *e) {
+                f.0.push(lbscale_engine::model::Finding::error(
+                    vec![PathStep::Attr("node"), PathStep::Index(0), PathStep::Attr(field)],
+                    format!("Empty node.{field}"),
+                    format!("node.{field} is empty: leave it out (or set it to null) when there is nothing to give."),
+                ));
+            }
             // The cloud's and the zones' rules once they are known.
             let cloud = known(&s.cloud).and_then(|c| CloudName::parse(c));
             f.node_spec(

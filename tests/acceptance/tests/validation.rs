@@ -417,7 +417,7 @@ resource "lbscale_autoscale_group" "{name}" {{
             "onazure",
             "azure",
             "\"1\"",
-            "    security_groups = [\"/subscriptions/s/a\", \"/subscriptions/s/b\"] # azure groups\n    subnets         = { \"1\" = \"subnet-1\" } # azure subnets\n",
+            "    security_groups = [\"/subscriptions/s/a\", \"/subscriptions/s/b\"] # azure groups\n    subnets         = { \"1\" = \"subnet-1\" } # azure subnets\n    tags            = {} # azure empty tags\n",
         ),
         group(
             "ongcp",
@@ -448,6 +448,7 @@ resource "lbscale_autoscale_group" "{name}" {{
             ("# azure subnets", "node.subnets[\"1\"] on azure must be a subnet resource id"),
             ("# gcp tags", "node.tags[\"Team\"] on gcp is a label"),
             ("# gcp identity", "node.identity on gcp must be a service account email, got \"nodes\"."),
+            ("# azure empty tags", "node.tags is empty: leave it out (or set it to null) when there is nothing to give."),
         ],
         "error",
     );
@@ -456,5 +457,5 @@ resource "lbscale_autoscale_group" "{name}" {{
         .into_iter()
         .filter(|d| d.severity == "error")
         .collect();
-    assert_eq!(errors.len(), 14, "{errors:#?}");
+    assert_eq!(errors.len(), 15, "{errors:#?}");
 }
