@@ -649,7 +649,12 @@ impl Cloud for AwsCloud {
         let instance_id = match existing {
             Some((id, _)) => id,
             None => {
-                let body = self.ec2("RunInstances", params).await?;
+                let body = self.ec2("RunInstances", params).await.map_err(|e| {
+                    security_group::in_context(
+                        e,
+                        &format!("instance of node {} in {}", req.node_id, req.az),
+                    )
+                })?;
                 let doc = xml::parse("ec2 RunInstances", &body)?;
                 xml::text(doc.root(), "instanceId").ok_or_else(|| {
                     CloudError::Failed("AWS ec2 RunInstances: no instanceId in the answer".into())

@@ -317,7 +317,7 @@ fn ingress_rules(sg: xml::Node<'_, '_>) -> BTreeSet<Rule> {
 }
 
 /// `e` with the resource it was about.
-fn in_context(e: CloudError, resource: &str) -> CloudError {
+pub(crate) fn in_context(e: CloudError, resource: &str) -> CloudError {
     match e {
         CloudError::Failed(m) => CloudError::Failed(format!("{m} ({resource})")),
         other => other,
