@@ -154,11 +154,10 @@ impl GcpCloud {
         }
         labels.insert("lbscale-group".to_string(), label_value(&req.group_id));
         labels.insert("lbscale-node".to_string(), label_value(&req.node_id));
-        let network_tags: Vec<String> = if node.security_groups.is_empty() {
-            vec![format!("lbscale-{}", label_value(&req.group_id))]
-        } else {
-            node.security_groups.clone()
-        };
+        // The operator's tags (required at plan time), and lbscale's own per
+        // group, which a firewall rule may target too.
+        let mut network_tags = node.security_groups.clone();
+        network_tags.push(format!("lbscale-{}", label_value(&req.group_id)));
         let mut nic =
             json!({"accessConfigs": [{"type": "ONE_TO_ONE_NAT", "name": "External NAT"}]});
         if let Some(s) = subnetwork(node, &req.az) {
@@ -426,6 +425,11 @@ impl Cloud for GcpCloud {
         }
         if !node.management_cidrs.is_empty() {
             return Some("node.management_cidrs is not built on gcp: lbscale makes no firewall rules there yet; give node.security_groups (the network tags that your firewall rules target) instead".into());
+        }
+        // Never nodes with nothing open: lbscale makes no firewall rules on
+        // gcp yet, so the operator's rules and their tags must be named.
+        if node.security_groups.is_empty() {
+            return Some("node.security_groups is required on gcp: lbscale makes no firewall rules there yet; give the network tags that your firewall rules target (they must let lbscale reach port 9990 and the clients reach the vservers' ports)".into());
         }
         None
     }

@@ -40,6 +40,7 @@ fn node(image: &str) -> NodeSpec {
         memory_limit_mb: 512,
         image: Some(image.into()),
         size: Some("e2-small".into()),
+        security_groups: vec!["lbscale-nodes".into()],
         ..NodeSpec::default()
     }
 }
@@ -102,7 +103,10 @@ async fn a_node_is_an_instance_started_once_found_by_name_and_deleted() {
     assert_eq!(i["labels"]["lbscale-group"], "g-1");
     assert_eq!(i["labels"]["lbscale-node"], "web-us-central1-b-1");
     assert_eq!(i["labels"]["team"], "web");
-    assert_eq!(i["tags"]["items"], serde_json::json!(["lbscale-g-1"]));
+    assert_eq!(
+        i["tags"]["items"],
+        serde_json::json!(["lbscale-nodes", "lbscale-g-1"])
+    );
     assert_eq!(
         i["serviceAccounts"][0]["email"],
         "nodes@lbscale-test.iam.gserviceaccount.com"
@@ -282,6 +286,16 @@ async fn throttled_and_failed_calls_are_retried_and_refusals_carry_googles_words
     let why = cloud.node_unusable(&NodeSpec::default()).expect("unusable");
     assert!(why.contains("node.image"), "{why}");
     assert_eq!(cloud.node_unusable(&node(IMAGE)), None);
+    // Without network tags nothing would be open to the nodes: refused.
+    let untagged = NodeSpec {
+        security_groups: vec![],
+        ..node(IMAGE)
+    };
+    let why = cloud.node_unusable(&untagged).expect("untagged");
+    assert!(
+        why.contains("node.security_groups is required on gcp"),
+        "{why}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
