@@ -902,14 +902,22 @@ impl Store {
             self.with(|c| c.one("SELECT served FROM distributors WHERE id = ?1", vals![id]))?;
         row.map_or(Ok(None), |r| r.opt_text(0))
     }
-    pub fn set_served_publication(&self, id: &str, served: &str) -> Result<()> {
-        self.with(|c| {
+    /// Records what distributor `id` serves, fenced by `lease` (the
+    /// distributor's) in the statement itself.
+    pub fn set_served_publication_under(&self, lease: &Lease, id: &str, served: &str) -> Result<()> {
+        let written = self.with(|c| {
             c.execute(
-                "UPDATE distributors SET served = ?2 WHERE id = ?1",
-                vals![id, served],
+                &format!(
+                    "UPDATE distributors SET served = ?2 WHERE id = ?1 AND {}",
+                    fence_clause(3)
+                ),
+                vals![id, served, &lease.group_id, &lease.holder, lease.fence],
             )
         })?;
-        Ok(())
+        if written > 0 || self.distributor(id)?.is_none() {
+            return Ok(());
+        }
+        self.fenced(lease, 0, "what the distributor serves not recorded")
     }
     pub fn set_distributor_runtime(&self, id: &str, runtime: &serde_json::Value) -> Result<()> {
         self.with(|c| {

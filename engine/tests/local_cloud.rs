@@ -95,3 +95,79 @@ async fn publications_to_one_distributor_take_turns_across_processes() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A publication carries the fence of the distributor's lease: the local
+/// distributor refuses one older than a publication it applied, and what is
+/// served is recorded only under the current lease, so a holder that lost the
+/// lease unawares changes neither.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publication_under_a_lost_lease_is_refused() {
+    use lbscale_engine::cloud::{DriverStore, Publication};
+    use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec};
+    use lbscale_engine::reconcile::Engine;
+    use lbscale_engine::store::{distributor_lease_key, StoreError};
+    use std::time::Duration;
+
+    let dir = std::env::temp_dir().join(format!("lbscale-fenced-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("state.db").display());
+    let settings = LocalSettings {
+        address_prefix: "127.63.".into(),
+        node_binary: Some(node_binary()),
+        ..LocalSettings::default()
+    };
+    let clouds = Clouds::new().with("local", lbscale_cloud_local::drivers(settings.clone()));
+    let engine = Engine::open(&url, &dir, clouds).unwrap();
+    let spec = DistributorSpec {
+        name: "fenced".into(),
+        cloud: CloudName::Local,
+        mode: DistributorMode::Dns,
+        domain: Some("fenced.lbscale.test".into()),
+        ttl: DeclaredDuration::parse("5s").unwrap(),
+    };
+    let id = engine.create_distributor(&spec).await.unwrap();
+
+    // Another process's driver on the same store, as a newer and then a
+    // stale holder of the distributor's lease would call it.
+    let other = Arc::new(Store::open_url(&url, &dir).unwrap());
+    let driver = (lbscale_cloud_local::drivers(settings))(DriverStore::new(other.clone()))
+        .unwrap()
+        .distributors;
+    let mut one = Publication::default();
+    one.endpoints.insert("az1".into(), vec!["127.63.9.1".into()]);
+    driver.publish_fenced(&id, &spec, &one, 1_000).await.unwrap();
+    let e = driver
+        .publish_fenced(&id, &spec, &Publication::default(), 999)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("fence 999"), "{e}");
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("local/distributors").join(&id).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config["zones"][0]["addresses"],
+        serde_json::json!(["127.63.9.1"]),
+        "the stale publication changed what is served"
+    );
+
+    // The record of what is served: written only under the current lease.
+    let key = distributor_lease_key(&id);
+    let stale = other
+        .acquire_lease(&key, "stale-holder", Duration::from_millis(50))
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let current = other
+        .acquire_lease(&key, "new-holder", Duration::from_secs(30))
+        .unwrap();
+    let before = other.served_publication(&id).unwrap();
+    let e = other
+        .set_served_publication_under(&stale, &id, "{}")
+        .unwrap_err();
+    assert!(matches!(e, StoreError::LeaseLost { .. }), "{e:?}");
+    assert_eq!(other.served_publication(&id).unwrap(), before);
+    other.release_lease(&current).unwrap();
+    engine.delete_distributor(&id).await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

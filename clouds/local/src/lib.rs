@@ -156,6 +156,9 @@ struct DistributorRuntime {
     /// `nlb`: the VIP of each AZ.
     vips: BTreeMap<String, String>,
     version: u64,
+    /// The highest lease fence a publication was applied under (0: none).
+    #[serde(default)]
+    fence: i64,
 }
 
 pub struct LocalCloud {
@@ -388,66 +391,17 @@ impl Distributor for LocalCloud {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()> {
-        // The engine publishes to a distributor one process at a time (its
-        // lease), so this read-modify-write of the config version is safe.
-        self.ensure(id, spec).await?;
-        let mut rt = self.runtime(id);
-        rt.version += 1;
-        let config = if spec.mode == DistributorMode::Dns {
-            let ttl = spec.ttl.get().as_secs();
-            let addresses: Vec<&String> = publication.endpoints.values().flatten().collect();
-            serde_json::json!({
-                "version": rt.version,
-                "zones": [{"domain": spec.domain.clone().unwrap_or_default(), "ttl_secs": ttl, "addresses": addresses}],
-            })
-        } else {
-            let mut listeners = Vec::new();
-            for (az, ports) in &publication.ports {
-                if ports.is_empty() {
-                    continue;
-                }
-                let vip = match rt.vips.get(az) {
-                    Some(v) => v.clone(),
-                    None => {
-                        let v = self.reserve(id, ports[0])?;
-                        rt.vips.insert(az.clone(), v.clone());
-                        v
-                    }
-                };
-                let nodes = publication.endpoints.get(az).cloned().unwrap_or_default();
-                for port in ports {
-                    let placed = publication.port_targets.get(az).and_then(|p| p.get(port));
-                    let (addresses, balance) = match placed {
-                        Some(t) => (&t.addresses, t.balance),
-                        None => (&nodes, Balance::RoundRobin),
-                    };
-                    let targets: Vec<String> =
-                        addresses.iter().map(|n| format!("{n}:{port}")).collect();
-                    let mut listener =
-                        serde_json::json!({"vip": vip, "port": port, "targets": targets});
-                    listener["balance"] = match balance {
-                        Balance::RoundRobin => "round_robin",
-                        Balance::First => "first",
-                        Balance::FlowHash => "flow_hash",
-                    }
-                    .into();
-                    listeners.push(listener);
-                }
-            }
-            serde_json::json!({"version": rt.version, "listeners": listeners})
-        };
-        let path = rt.dir.join("config.json");
-        write_atomic(&path, config.to_string().as_bytes()).map_err(|e| fail("write", &path, e))?;
-        self.save_runtime(id, &rt)?;
-        wait_status(
-            &rt.dir.join("status.json"),
-            rt.version,
-            &rt,
-            id,
-            PUBLISH_TIMEOUT,
-            &rt.dir.join("distributor.log"),
-        )
-        .await
+        self.publish_under(id, spec, publication, None).await
+    }
+
+    async fn publish_fenced(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+        fence: i64,
+    ) -> Result<()> {
+        self.publish_under(id, spec, publication, Some(fence)).await
     }
 
     async fn remove(&self, id: &str) -> Result<()> {
@@ -551,6 +505,88 @@ fn log_tail(log: &Path) -> String {
     }
 }
 
+impl LocalCloud {
+    /// A publication, refused when `fence` is lower than the highest one the
+    /// distributor applied (a holder that lost the distributor's lease).
+    async fn publish_under(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+        fence: Option<i64>,
+    ) -> Result<()> {
+        // The engine publishes to a distributor one process at a time (its
+        // lease), so this read-modify-write of the config version is safe.
+        self.ensure(id, spec).await?;
+        let mut rt = self.runtime(id);
+        if let Some(f) = fence {
+            if f < rt.fence {
+                return Err(CloudError::Failed(format!(
+                    "publication to distributor {id} refused: it was made under lease fence {f}, and one under fence {} was applied already (the lease was taken over)",
+                    rt.fence
+                )));
+            }
+            rt.fence = f;
+        }
+        rt.version += 1;
+        let config = if spec.mode == DistributorMode::Dns {
+            let ttl = spec.ttl.get().as_secs();
+            let addresses: Vec<&String> = publication.endpoints.values().flatten().collect();
+            serde_json::json!({
+                "version": rt.version,
+                "zones": [{"domain": spec.domain.clone().unwrap_or_default(), "ttl_secs": ttl, "addresses": addresses}],
+            })
+        } else {
+            let mut listeners = Vec::new();
+            for (az, ports) in &publication.ports {
+                if ports.is_empty() {
+                    continue;
+                }
+                let vip = match rt.vips.get(az) {
+                    Some(v) => v.clone(),
+                    None => {
+                        let v = self.reserve(id, ports[0])?;
+                        rt.vips.insert(az.clone(), v.clone());
+                        v
+                    }
+                };
+                let nodes = publication.endpoints.get(az).cloned().unwrap_or_default();
+                for port in ports {
+                    let placed = publication.port_targets.get(az).and_then(|p| p.get(port));
+                    let (addresses, balance) = match placed {
+                        Some(t) => (&t.addresses, t.balance),
+                        None => (&nodes, Balance::RoundRobin),
+                    };
+                    let targets: Vec<String> =
+                        addresses.iter().map(|n| format!("{n}:{port}")).collect();
+                    let mut listener =
+                        serde_json::json!({"vip": vip, "port": port, "targets": targets});
+                    listener["balance"] = match balance {
+                        Balance::RoundRobin => "round_robin",
+                        Balance::First => "first",
+                        Balance::FlowHash => "flow_hash",
+                    }
+                    .into();
+                    listeners.push(listener);
+                }
+            }
+            serde_json::json!({"version": rt.version, "listeners": listeners})
+        };
+        let path = rt.dir.join("config.json");
+        write_atomic(&path, config.to_string().as_bytes()).map_err(|e| fail("write", &path, e))?;
+        self.save_runtime(id, &rt)?;
+        wait_status(
+            &rt.dir.join("status.json"),
+            rt.version,
+            &rt,
+            id,
+            PUBLISH_TIMEOUT,
+            &rt.dir.join("distributor.log"),
+        )
+        .await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,3 +621,4 @@ mod tests {
         assert_eq!(candidates("127.9.3.").count(), 253);
     }
 }
+

@@ -230,6 +230,22 @@ impl Distributor for FaultyCloud {
             )
             .await
     }
+    async fn publish_fenced(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+        fence: i64,
+    ) -> Result<()> {
+        self.faults
+            .call(
+                Call::Publish,
+                self.inner
+                    .distributors
+                    .publish_fenced(id, spec, publication, fence),
+            )
+            .await
+    }
     async fn remove(&self, id: &str) -> Result<()> {
         self.faults
             .call(Call::Remove, self.inner.distributors.remove(id))

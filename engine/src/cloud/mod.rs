@@ -425,6 +425,21 @@ pub trait Distributor: Send + Sync {
         spec: &DistributorSpec,
         publication: &Publication,
     ) -> Result<()>;
+    /// [`Distributor::publish`] by the holder of the distributor's lease whose
+    /// fence is `fence` (fences grow with each new holder). A driver that can
+    /// keeps the highest fence it applied and refuses a lower one: a holder
+    /// that lost its lease without knowing must not undo its successor's
+    /// publication. Default: a plain publish (the lease alone fences).
+    async fn publish_fenced(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+        fence: i64,
+    ) -> Result<()> {
+        let _ = fence;
+        self.publish(id, spec, publication).await
+    }
     /// Stops the distributor and frees what it held (idempotent).
     async fn remove(&self, id: &str) -> Result<()>;
     /// Where clients go: the DNS server (`dns`) or each AZ's VIP (`nlb`).

@@ -142,6 +142,19 @@ impl Distributor for RetryingDistributor {
             .run("publish", || self.inner.publish(id, spec, publication))
             .await
     }
+    async fn publish_fenced(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+        fence: i64,
+    ) -> Result<()> {
+        self.backoff
+            .run("publish", || {
+                self.inner.publish_fenced(id, spec, publication, fence)
+            })
+            .await
+    }
     async fn remove(&self, id: &str) -> Result<()> {
         self.backoff.run("remove", || self.inner.remove(id)).await
     }

@@ -8,6 +8,7 @@
 //! with back-off ([`Engine::settle_publication`]). A node row leaves the store
 //! only after a publication without it was confirmed.
 
+use super::leases::KeptLease;
 use super::{new_id, Engine, EngineError, Result};
 use crate::cloud::{Distributor, Publication};
 use crate::model::{CloudName, DistributorMode, DistributorSpec, GroupSpec};
@@ -255,18 +256,24 @@ impl Engine {
                 Instant::now() + PUBLISH_LEASE_WAIT,
             )
             .await?;
-        let r = self.publish_holding_lease(distributor_id).await;
+        let r = self.publish_holding_lease(distributor_id, &turn).await;
         turn.release();
         r
     }
 
-    async fn publish_holding_lease(&self, distributor_id: &str) -> Result<()> {
+    /// Publishes under `turn`, the distributor's lease: checked before the
+    /// driver is called, its fence given to the driver (which may refuse a
+    /// publication older than one it applied) and in the statement that
+    /// records what is served, so a holder that lost the lease unawares
+    /// neither overwrites its successor's publication nor records its own.
+    async fn publish_holding_lease(&self, distributor_id: &str, turn: &KeptLease) -> Result<()> {
         let Some(row) = self.store.distributor(distributor_id)? else {
             return Ok(());
         };
         let publication = self.publication(distributor_id)?;
+        turn.check()?;
         self.distributor_driver(row.spec.cloud)?
-            .publish(distributor_id, &row.spec, &publication)
+            .publish_fenced(distributor_id, &row.spec, &publication, turn.lease().fence)
             .await
             .map_err(|e| EngineError::Step {
                 step: "register addresses with the distributor",
@@ -278,7 +285,8 @@ impl Engine {
             publication,
         };
         let served = serde_json::to_string(&served).expect("publications serialise");
-        self.store.set_served_publication(distributor_id, &served)?;
+        self.store
+            .set_served_publication_under(turn.lease(), distributor_id, &served)?;
         Ok(())
     }
 }
