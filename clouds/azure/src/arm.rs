@@ -149,7 +149,8 @@ impl Arm {
                 message,
             })?;
             let auth = format!("Bearer {token}");
-            let mut h: Vec<(&str, &str)> = vec![("authorization", &auth), ("accept", "application/json")];
+            let mut h: Vec<(&str, &str)> =
+                vec![("authorization", &auth), ("accept", "application/json")];
             h.extend_from_slice(headers);
             let r = http::send(
                 &self.tls,
@@ -178,7 +179,9 @@ impl Arm {
                     });
                 }
                 Ok(resp) => {
-                    let retry_after = resp.header("retry-after").and_then(|s| s.trim().parse::<u64>().ok());
+                    let retry_after = resp
+                        .header("retry-after")
+                        .and_then(|s| s.trim().parse::<u64>().ok());
                     (error_of(resp.status, &resp.body), retry_after)
                 }
                 Err(message) => (
@@ -212,7 +215,12 @@ impl Arm {
     }
 
     /// GET of a resource; None when ARM says it does not exist.
-    pub async fn get(&self, what: &str, path: &str, api_version: &str) -> Result<Option<Answer>, CloudError> {
+    pub async fn get(
+        &self,
+        what: &str,
+        path: &str,
+        api_version: &str,
+    ) -> Result<Option<Answer>, CloudError> {
         match self.call("GET", path, Some(api_version), None, &[]).await {
             Ok(a) => Ok(Some(a)),
             Err(e) if e.is_not_found() => Ok(None),
@@ -221,7 +229,12 @@ impl Arm {
     }
 
     /// Every item of a list, following `nextLink`.
-    pub async fn list(&self, what: &str, path: &str, api_version: &str) -> Result<Vec<Value>, CloudError> {
+    pub async fn list(
+        &self,
+        what: &str,
+        path: &str,
+        api_version: &str,
+    ) -> Result<Vec<Value>, CloudError> {
         let mut out = Vec::new();
         let mut next: Option<String> = None;
         loop {
@@ -257,17 +270,24 @@ impl Arm {
         self.follow(what, &a, path, api_version, false).await?;
         let done = self.call("GET", path, Some(api_version), None, &[]).await?;
         match provisioning_state(&done.body) {
-            Some(s) if s.eq_ignore_ascii_case("Failed") || s.eq_ignore_ascii_case("Canceled") => Err(ArmError {
-                status: done.status,
-                code: format!("Provisioning{s}"),
-                message: format!("{what}: the resource's provisioningState is {s}"),
-            }),
+            Some(s) if s.eq_ignore_ascii_case("Failed") || s.eq_ignore_ascii_case("Canceled") => {
+                Err(ArmError {
+                    status: done.status,
+                    code: format!("Provisioning{s}"),
+                    message: format!("{what}: the resource's provisioningState is {s}"),
+                })
+            }
             _ => Ok(done.body),
         }
     }
 
     /// DELETE of a resource, followed to its end; one already gone is fine.
-    pub async fn delete(&self, what: &str, path: &str, api_version: &str) -> Result<(), CloudError> {
+    pub async fn delete(
+        &self,
+        what: &str,
+        path: &str,
+        api_version: &str,
+    ) -> Result<(), CloudError> {
         self.delete_if(what, path, api_version, &[]).await
     }
 
@@ -316,7 +336,9 @@ impl Arm {
                             code: a.body["error"]["code"].as_str().unwrap_or(s).to_string(),
                             message: format!(
                                 "the long-running operation {s}: {}",
-                                a.body["error"]["message"].as_str().unwrap_or("(no message)")
+                                a.body["error"]["message"]
+                                    .as_str()
+                                    .unwrap_or("(no message)")
                             ),
                         })
                     }
@@ -389,7 +411,11 @@ fn poll_interval(a: &Answer) -> Duration {
 /// `{"code", "message"}`), else the start of the body.
 fn error_of(status: u16, body: &[u8]) -> ArmError {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let e = if v["error"].is_object() { &v["error"] } else { &v };
+    let e = if v["error"].is_object() {
+        &v["error"]
+    } else {
+        &v
+    };
     match (e["code"].as_str(), e["message"].as_str()) {
         (Some(code), message) => ArmError {
             status,
@@ -411,27 +437,51 @@ mod tests {
     #[test]
     fn errors_read_from_both_envelopes_and_name_the_operation() {
         let e = error_of(409, br#"{"error":{"code":"Conflict","message":"in use"}}"#);
-        assert_eq!((e.code.as_str(), e.message.as_str()), ("Conflict", "in use"));
+        assert_eq!(
+            (e.code.as_str(), e.message.as_str()),
+            ("Conflict", "in use")
+        );
         let e = error_of(400, br#"{"code":"BadRequest","message":"nope"}"#);
         assert_eq!(e.code, "BadRequest");
         let e = error_of(502, b"<html>bad gateway</html>");
-        assert_eq!((e.code.as_str(), e.message.as_str()), ("HTTP502", "<html>bad gateway</html>"));
-        let CloudError::Failed(m) = failed("load balancer PUT lbscale-d1", error_of(412, br#"{"error":{"code":"PreconditionFailed","message":"etag"}}"#)) else {
+        assert_eq!(
+            (e.code.as_str(), e.message.as_str()),
+            ("HTTP502", "<html>bad gateway</html>")
+        );
+        let CloudError::Failed(m) = failed(
+            "load balancer PUT lbscale-d1",
+            error_of(
+                412,
+                br#"{"error":{"code":"PreconditionFailed","message":"etag"}}"#,
+            ),
+        ) else {
             panic!()
         };
-        assert_eq!(m, "Azure load balancer PUT lbscale-d1 (HTTP 412): PreconditionFailed: etag");
+        assert_eq!(
+            m,
+            "Azure load balancer PUT lbscale-d1 (HTTP 412): PreconditionFailed: etag"
+        );
     }
 
     #[test]
     fn polls_wait_what_azure_asks_within_bounds() {
         let a = |h: &[(&str, &str)]| Answer {
             status: 202,
-            headers: h.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            headers: h
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             body: Value::Null,
         };
-        assert_eq!(poll_interval(&a(&[("retry-after", "3")])), Duration::from_secs(3));
+        assert_eq!(
+            poll_interval(&a(&[("retry-after", "3")])),
+            Duration::from_secs(3)
+        );
         assert_eq!(poll_interval(&a(&[])), DEFAULT_POLL);
-        assert_eq!(poll_interval(&a(&[("Retry-After", "3600")])), Duration::from_secs(60));
+        assert_eq!(
+            poll_interval(&a(&[("Retry-After", "3600")])),
+            Duration::from_secs(60)
+        );
         assert!(terminal("succeeded") && !terminal("Updating"));
     }
 }

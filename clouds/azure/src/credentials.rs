@@ -228,7 +228,9 @@ pub fn choose(choice: &Choice, env: &EnvVars) -> Result<(Source, String), String
     let endpoint = choice
         .metadata_endpoint
         .clone()
-        .or(env.get("AZURE_POD_IDENTITY_AUTHORITY_HOST").map(str::to_string))
+        .or(env
+            .get("AZURE_POD_IDENTITY_AUTHORITY_HOST")
+            .map(str::to_string))
         .unwrap_or_else(|| DEFAULT_IMDS.to_string());
     Url::parse(&endpoint).map_err(|e| format!("the instance metadata endpoint: {e}"))?;
     Ok((
@@ -304,7 +306,9 @@ impl Credentials {
                 token_file,
             } => {
                 let assertion = std::fs::read_to_string(token_file).map_err(|e| {
-                    format!("workload identity: cannot read the federated token file {token_file}: {e}")
+                    format!(
+                        "workload identity: cannot read the federated token file {token_file}: {e}"
+                    )
                 })?;
                 self.login(
                     tenant_id,
@@ -319,7 +323,10 @@ impl Credentials {
                 )
                 .await
             }
-            Source::ManagedIdentity { client_id, endpoint } => {
+            Source::ManagedIdentity {
+                client_id,
+                endpoint,
+            } => {
                 let mut path = format!(
                     "{endpoint}/metadata/identity/oauth2/token?api-version=2018-02-01&resource={}",
                     http::encode(ARM_RESOURCE)
@@ -328,9 +335,16 @@ impl Credentials {
                     path.push_str(&format!("&client_id={}", http::encode(id)));
                 }
                 let url = Url::parse(&path)?;
-                let r = http::send(&self.tls, "GET", &url, &[("metadata", "true")], None, IMDS_TIMEOUT)
-                    .await
-                    .map_err(|e| format!("managed identity: {e}"))?;
+                let r = http::send(
+                    &self.tls,
+                    "GET",
+                    &url,
+                    &[("metadata", "true")],
+                    None,
+                    IMDS_TIMEOUT,
+                )
+                .await
+                .map_err(|e| format!("managed identity: {e}"))?;
                 token_answer("managed identity (instance metadata)", r.status, &r.body)
             }
         }
@@ -412,7 +426,11 @@ mod tests {
     use super::*;
 
     fn env(v: &[(&str, &str)]) -> EnvVars {
-        EnvVars(v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        EnvVars(
+            v.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
     }
 
     #[test]
@@ -435,13 +453,26 @@ mod tests {
             client_secret: Some(given.clone()),
             ..Choice::default()
         };
-        assert_eq!(choose(&choice, &all).unwrap().0, Source::ClientSecret(given));
+        assert_eq!(
+            choose(&choice, &all).unwrap().0,
+            Source::ClientSecret(given)
+        );
         let (s, authority) = choose(&Choice::default(), &all).unwrap();
         assert_eq!(authority, DEFAULT_AUTHORITY);
-        let Source::ClientSecret(c) = s else { panic!("{s:?}") };
-        assert_eq!((c.client_id.as_str(), c.tenant_id.as_str()), ("arm-c", "arm-t"));
-        let azure = env(&all.0[3..].iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
-        let Source::ClientSecret(c) = choose(&Choice::default(), &azure).unwrap().0 else { panic!() };
+        let Source::ClientSecret(c) = s else {
+            panic!("{s:?}")
+        };
+        assert_eq!(
+            (c.client_id.as_str(), c.tenant_id.as_str()),
+            ("arm-c", "arm-t")
+        );
+        let azure = env(&all.0[3..]
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect::<Vec<_>>());
+        let Source::ClientSecret(c) = choose(&Choice::default(), &azure).unwrap().0 else {
+            panic!()
+        };
         assert_eq!(c.secret, "az-s");
         let federated = env(&[
             ("AZURE_CLIENT_ID", "az-c"),
@@ -461,7 +492,10 @@ mod tests {
             ("ARM_TENANT_ID", "arm-t"),
             ("ARM_OIDC_TOKEN_FILE_PATH", "/t"),
         ]);
-        assert!(matches!(choose(&Choice::default(), &oidc).unwrap().0, Source::WorkloadIdentity { .. }));
+        assert!(matches!(
+            choose(&Choice::default(), &oidc).unwrap().0,
+            Source::WorkloadIdentity { .. }
+        ));
         let msi = env(&[
             ("AZURE_CLIENT_ID", "uai"),
             ("AZURE_POD_IDENTITY_AUTHORITY_HOST", "https://127.0.0.1:1/"),
@@ -485,16 +519,30 @@ mod tests {
             use_managed_identity: true,
             ..Choice::default()
         };
-        assert!(matches!(choose(&choice, &all).unwrap().0, Source::ManagedIdentity { .. }));
+        assert!(matches!(
+            choose(&choice, &all).unwrap().0,
+            Source::ManagedIdentity { .. }
+        ));
     }
 
     #[test]
     fn half_given_credentials_are_refused_by_name_without_the_secret() {
         let e = choose(&Choice::default(), &env(&[("ARM_CLIENT_SECRET", "s3cret")])).unwrap_err();
         assert!(e.contains("ARM_TENANT_ID") && !e.contains("s3cret"), "{e}");
-        let e = choose(&Choice::default(), &env(&[("AZURE_FEDERATED_TOKEN_FILE", "/t")])).unwrap_err();
-        assert!(e.contains("AZURE_FEDERATED_TOKEN_FILE") && e.contains("tenant"), "{e}");
-        let e = choose(&Choice::default(), &env(&[("AZURE_AUTHORITY_HOST", "login")])).unwrap_err();
+        let e = choose(
+            &Choice::default(),
+            &env(&[("AZURE_FEDERATED_TOKEN_FILE", "/t")]),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("AZURE_FEDERATED_TOKEN_FILE") && e.contains("tenant"),
+            "{e}"
+        );
+        let e = choose(
+            &Choice::default(),
+            &env(&[("AZURE_AUTHORITY_HOST", "login")]),
+        )
+        .unwrap_err();
         assert!(e.contains("authority host"), "{e}");
     }
 
@@ -517,9 +565,11 @@ mod tests {
 
     #[test]
     fn token_answers_of_both_shapes_read() {
-        let (t, d) = token_answer("x", 200, br#"{"access_token":"abc","expires_in":3599}"#).unwrap();
+        let (t, d) =
+            token_answer("x", 200, br#"{"access_token":"abc","expires_in":3599}"#).unwrap();
         assert_eq!((t.as_str(), d.as_secs()), ("abc", 3599));
-        let (_, d) = token_answer("x", 200, br#"{"access_token":"abc","expires_in":"86400"}"#).unwrap();
+        let (_, d) =
+            token_answer("x", 200, br#"{"access_token":"abc","expires_in":"86400"}"#).unwrap();
         assert_eq!(d.as_secs(), 86400);
         let e = token_answer(
             "login",
@@ -527,6 +577,9 @@ mod tests {
             br#"{"error":"invalid_client","error_description":"AADSTS7000215: Invalid client secret provided."}"#,
         )
         .unwrap_err();
-        assert!(e.contains("invalid_client") && e.contains("AADSTS7000215") && e.contains("401"), "{e}");
+        assert!(
+            e.contains("invalid_client") && e.contains("AADSTS7000215") && e.contains("401"),
+            "{e}"
+        );
     }
 }

@@ -6,7 +6,7 @@
 //! Without `LBSCALE_TEST_AZURE_ENDPOINT`, [`fake`] fails the test when
 //! `CI=true` and skips it with a printed note otherwise: never a silent pass.
 
-use crate::credentials::{ClientSecret, Choice};
+use crate::credentials::{Choice, ClientSecret};
 use crate::AzureSettings;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -74,7 +74,13 @@ impl Fake {
         }
     }
 
-    fn curl(&self, method: &str, path: &str, headers: &[String], body: Option<&str>) -> (u16, String) {
+    fn curl(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[String],
+        body: Option<&str>,
+    ) -> (u16, String) {
         let mut cmd = std::process::Command::new("curl");
         cmd.args(["-s", "--max-time", "20", "-X", method, "--cacert"])
             .arg(&self.ca)
@@ -85,7 +91,10 @@ impl Fake {
         if let Some(b) = body {
             cmd.args(["--data-binary", b]);
         }
-        let out = cmd.arg(format!("{}{path}", self.endpoint)).output().expect("curl");
+        let out = cmd
+            .arg(format!("{}{path}", self.endpoint))
+            .output()
+            .expect("curl");
         assert!(out.status.success(), "curl {method} {path}: {out:?}");
         let text = String::from_utf8(out.stdout).unwrap();
         let (body, code) = text.rsplit_once('\n').unwrap();
@@ -95,7 +104,12 @@ impl Fake {
     /// A control call (`/_fake/...`).
     pub fn control(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         let b = body.map(|b| b.to_string());
-        let (code, text) = self.curl(method, path, &["Content-Type: application/json".into()], b.as_deref());
+        let (code, text) = self.curl(
+            method,
+            path,
+            &["Content-Type: application/json".into()],
+            b.as_deref(),
+        );
         assert_eq!(code, 200, "{method} {path}: {text}");
         serde_json::from_str(&text).unwrap()
     }
@@ -107,7 +121,9 @@ impl Fake {
 
     /// The resource at `id` as the fake holds it, if any.
     pub fn resource(&self, id: &str) -> Option<Value> {
-        self.state()["resources"].get(id.to_ascii_lowercase()).cloned()
+        self.state()["resources"]
+            .get(id.to_ascii_lowercase())
+            .cloned()
     }
 
     /// The fake's resources whose id starts with `prefix` (lower case ids).
@@ -154,7 +170,12 @@ impl Fake {
         let form = format!(
             "grant_type=client_credentials&client_id={CLIENT}&client_secret={SECRET}&scope=https%3A%2F%2Fmanagement.azure.com%2F.default"
         );
-        let (code, text) = self.curl("POST", &format!("/{TENANT}/oauth2/v2.0/token"), &[], Some(&form));
+        let (code, text) = self.curl(
+            "POST",
+            &format!("/{TENANT}/oauth2/v2.0/token"),
+            &[],
+            Some(&form),
+        );
         assert_eq!(code, 200, "{text}");
         serde_json::from_str::<Value>(&text).unwrap()["access_token"]
             .as_str()
@@ -189,15 +210,27 @@ impl Fake {
         let mut h: Vec<String> = vec!["Content-Type: application/json".into()];
         h.extend(headers.iter().map(|s| s.to_string()));
         let mut cmd = std::process::Command::new("curl");
-        cmd.args(["-s", "--max-time", "20", "-D", "-", "-X", method, "--cacert"])
-            .arg(&self.ca);
+        cmd.args([
+            "-s",
+            "--max-time",
+            "20",
+            "-D",
+            "-",
+            "-X",
+            method,
+            "--cacert",
+        ])
+        .arg(&self.ca);
         for x in &h {
             cmd.args(["-H", x]);
         }
         if let Some(b) = body {
             cmd.args(["--data-binary", b]);
         }
-        let out = cmd.arg(format!("{}{path}", self.endpoint)).output().expect("curl");
+        let out = cmd
+            .arg(format!("{}{path}", self.endpoint))
+            .output()
+            .expect("curl");
         let text = String::from_utf8(out.stdout).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
         let mut lines = head.lines();
@@ -241,7 +274,11 @@ impl Fake {
     /// A public DNS zone in `rg`.
     pub fn dns_zone(&self, rg: &str, zone: &str) -> String {
         let path = Self::path(rg, &format!("Microsoft.Network/dnsZones/{zone}"));
-        let (code, body) = self.arm("PUT", &format!("{path}?api-version=2018-05-01"), Some(json!({"location": "global"})));
+        let (code, body) = self.arm(
+            "PUT",
+            &format!("{path}?api-version=2018-05-01"),
+            Some(json!({"location": "global"})),
+        );
         assert!(code == 201 || code == 200, "{code} {body}");
         path
     }

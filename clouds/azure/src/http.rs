@@ -41,7 +41,8 @@ impl Url {
         let (host, port) = match authority.rsplit_once(':') {
             Some((h, p)) if !h.is_empty() && !p.contains(']') => (
                 h.to_string(),
-                p.parse::<u16>().map_err(|_| bad("the port must be 1-65535"))?,
+                p.parse::<u16>()
+                    .map_err(|_| bad("the port must be 1-65535"))?,
             ),
             _ => (authority.to_string(), if tls { 443 } else { 80 }),
         };
@@ -168,9 +169,10 @@ async fn round_trip<IO>(io: IO, req: hyper::Request<Full<Bytes>>) -> Result<Resp
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
-        .await
-        .map_err(|e| format!("HTTP handshake: {e}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+            .await
+            .map_err(|e| format!("HTTP handshake: {e}"))?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -232,14 +234,26 @@ mod tests {
         assert_eq!((u.port, u.path.as_str()), (80, "/"));
         assert_eq!(Url::parse("https://h?x=1").unwrap().path, "/?x=1");
         assert_eq!(Url::parse("https://[::1]:5/").unwrap().host, "::1");
-        for bad in ["ftp://x", "https://", "https://h:0x", "h:80", "https://u@h/"] {
-            assert!(Url::parse(bad).unwrap_err().contains("http(s)://HOST"), "{bad}");
+        for bad in [
+            "ftp://x",
+            "https://",
+            "https://h:0x",
+            "h:80",
+            "https://u@h/",
+        ] {
+            assert!(
+                Url::parse(bad).unwrap_err().contains("http(s)://HOST"),
+                "{bad}"
+            );
         }
     }
 
     #[test]
     fn values_are_percent_encoded() {
         assert_eq!(encode("a b&c=/é"), "a%20b%26c%3D%2F%C3%A9");
-        assert_eq!(encode("https://management.azure.com/.default"), "https%3A%2F%2Fmanagement.azure.com%2F.default");
+        assert_eq!(
+            encode("https://management.azure.com/.default"),
+            "https%3A%2F%2Fmanagement.azure.com%2F.default"
+        );
     }
 }

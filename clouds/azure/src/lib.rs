@@ -105,7 +105,11 @@ impl AzureSettings {
                 authority_host: c.authority_host.or(b.authority_host),
                 metadata_endpoint: c.metadata_endpoint.or(b.metadata_endpoint),
             },
-            env: if over.env.is_empty() { self.env } else { over.env },
+            env: if over.env.is_empty() {
+                self.env
+            } else {
+                over.env
+            },
             image: over.image.or(self.image),
             size: over.size.or(self.size),
         }
@@ -150,7 +154,10 @@ struct DistributorRuntime {
 impl AzureCloud {
     /// A driver from `settings`; an error names what is missing or wrong.
     /// Tokens are fetched at the first call.
-    pub fn new(settings: AzureSettings, store: DriverStore) -> std::result::Result<AzureCloud, String> {
+    pub fn new(
+        settings: AzureSettings,
+        store: DriverStore,
+    ) -> std::result::Result<AzureCloud, String> {
         let missing = |what: &str, var: &str| {
             format!("no Azure {what}: set `{what}` in the provider's azure block, or {var}")
         };
@@ -233,9 +240,20 @@ impl AzureCloud {
     fn name_of(id: &str, max: usize) -> String {
         let clean: String = format!("lbscale-{id}")
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '-'
+                }
+            })
             .collect();
-        clean.chars().take(max).collect::<String>().trim_end_matches('-').to_string()
+        clean
+            .chars()
+            .take(max)
+            .collect::<String>()
+            .trim_end_matches('-')
+            .to_string()
     }
 }
 
@@ -281,7 +299,12 @@ impl Distributor for AzureCloud {
         }
     }
 
-    async fn publish(&self, id: &str, spec: &DistributorSpec, publication: &Publication) -> Result<()> {
+    async fn publish(
+        &self,
+        id: &str,
+        spec: &DistributorSpec,
+        publication: &Publication,
+    ) -> Result<()> {
         match spec.mode {
             DistributorMode::Nlb => self.publish_nlb(id, publication).await,
             DistributorMode::Dns => self.publish_profile(id, spec, publication).await,
@@ -302,7 +325,11 @@ impl Distributor for AzureCloud {
         let rt = self.runtime(id);
         match spec.mode {
             DistributorMode::Nlb => rt.nlb_addresses,
-            DistributorMode::Dns => rt.fqdn.map(|f| ("dns".to_string(), f)).into_iter().collect(),
+            DistributorMode::Dns => rt
+                .fqdn
+                .map(|f| ("dns".to_string(), f))
+                .into_iter()
+                .collect(),
         }
     }
 }
@@ -320,12 +347,16 @@ mod tests {
 
     #[test]
     fn settings_name_what_is_missing() {
-        let dir = std::env::temp_dir().join(format!("lbscale-azure-settings-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("lbscale-azure-settings-{}", std::process::id()));
         let store = Arc::new(lbscale_engine::store::Store::open(&dir.join("s.db")).unwrap());
         let e = AzureCloud::new(AzureSettings::default(), DriverStore::new(store.clone()))
             .err()
             .unwrap();
-        assert!(e.contains("subscription_id") && e.contains("ARM_SUBSCRIPTION_ID"), "{e}");
+        assert!(
+            e.contains("subscription_id") && e.contains("ARM_SUBSCRIPTION_ID"),
+            "{e}"
+        );
         let e = AzureCloud::new(
             AzureSettings {
                 subscription_id: Some("s".into()),
@@ -336,6 +367,9 @@ mod tests {
         )
         .err()
         .unwrap();
-        assert!(e.contains("location") && e.contains("LBSCALE_AZURE_LOCATION"), "{e}");
+        assert!(
+            e.contains("location") && e.contains("LBSCALE_AZURE_LOCATION"),
+            "{e}"
+        );
     }
 }

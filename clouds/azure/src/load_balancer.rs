@@ -57,7 +57,10 @@ impl AzureCloud {
         let what = format!("load balancer PUT {}", Self::name_of(id, 80));
         let mut attempt = 1;
         let lb = loop {
-            let current = self.arm.get("load balancer GET", &path, NET_VERSION).await?;
+            let current = self
+                .arm
+                .get("load balancer GET", &path, NET_VERSION)
+                .await?;
             if let Some(c) = &current {
                 if shape_of(&c.body) == wanted {
                     break c.body.clone();
@@ -138,7 +141,8 @@ impl AzureCloud {
             .frontends
             .iter()
             .map(|(name, (zone, subnet))| {
-                let mut props = json!({"subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic"});
+                let mut props =
+                    json!({"subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic"});
                 if let Some(ip) = had.get(name) {
                     props["privateIPAddress"] = json!(ip);
                 }
@@ -234,7 +238,9 @@ fn wanted_shape(publication: &Publication) -> Result<Shape> {
         for port in ports {
             let placed = publication.port_targets.get(zone).and_then(|p| p.get(port));
             let targets: BTreeSet<String> = match placed {
-                Some(t) if t.balance == Balance::First => t.addresses.iter().take(1).cloned().collect(),
+                Some(t) if t.balance == Balance::First => {
+                    t.addresses.iter().take(1).cloned().collect()
+                }
                 Some(t) => t.addresses.iter().cloned().collect(),
                 None => nodes.clone(),
             };
@@ -246,9 +252,10 @@ fn wanted_shape(publication: &Publication) -> Result<Shape> {
             shape.pools.insert(pool.clone(), targets);
             let probe = format!("p{port}");
             shape.probes.insert(probe.clone(), *port as i64);
-            shape
-                .rules
-                .insert(format!("z{zone}-p{port}"), (fe.clone(), pool, probe, *port as i64));
+            shape.rules.insert(
+                format!("z{zone}-p{port}"),
+                (fe.clone(), pool, probe, *port as i64),
+            );
         }
     }
     Ok(shape)
@@ -273,7 +280,10 @@ fn shape_of(lb: &Value) -> Shape {
                     f["name"].as_str().unwrap_or("").to_string(),
                     (
                         f["zones"][0].as_str().unwrap_or("").to_string(),
-                        f["properties"]["subnet"]["id"].as_str().unwrap_or("").to_ascii_lowercase(),
+                        f["properties"]["subnet"]["id"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_ascii_lowercase(),
                     ),
                 )
             })
@@ -345,7 +355,8 @@ mod tests {
     fn publication() -> Publication {
         let mut p = Publication::default();
         for (z, ips) in [("1", vec!["10.0.1.4", "10.0.1.5"]), ("2", vec!["10.0.2.4"])] {
-            p.endpoints.insert(z.into(), ips.into_iter().map(String::from).collect());
+            p.endpoints
+                .insert(z.into(), ips.into_iter().map(String::from).collect());
             p.ports.insert(z.into(), vec![80, 443]);
             p.subnets.insert(
                 z.into(),
@@ -364,7 +375,10 @@ mod tests {
         assert_eq!(s.frontends["fe-1"].0, "1");
         assert_eq!(s.pools.keys().collect::<Vec<_>>(), ["z1", "z2"]);
         assert_eq!(s.pools["z1"].len(), 2);
-        assert_eq!(s.rules["z2-p443"], ("fe-2".into(), "z2".into(), "p443".into(), 443));
+        assert_eq!(
+            s.rules["z2-p443"],
+            ("fe-2".into(), "z2".into(), "p443".into(), 443)
+        );
         assert_eq!(s.probes.keys().collect::<Vec<_>>(), ["p443", "p80"]);
     }
 
@@ -399,16 +413,26 @@ mod tests {
     fn a_zone_needs_one_subnet() {
         let mut p = publication();
         p.subnets.remove("2");
-        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else { panic!() };
+        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else {
+            panic!()
+        };
         assert!(e.contains("zone 2") && e.contains("node.subnets"), "{e}");
         let mut p = publication();
-        p.subnets.get_mut("2").unwrap().insert("/x/subnets/other".into());
-        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else { panic!() };
+        p.subnets
+            .get_mut("2")
+            .unwrap()
+            .insert("/x/subnets/other".into());
+        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else {
+            panic!()
+        };
         assert!(e.contains("different subnets in zone 2"), "{e}");
     }
 
     #[test]
     fn subnet_ids_give_their_network() {
-        assert_eq!(vnet_of("/s/virtualNetworks/v/subnets/a"), "/s/virtualNetworks/v");
+        assert_eq!(
+            vnet_of("/s/virtualNetworks/v/subnets/a"),
+            "/s/virtualNetworks/v"
+        );
     }
 }

@@ -57,7 +57,11 @@ impl AzureCloud {
     async fn read_profile(&self, id: &str) -> Result<Option<Value>> {
         Ok(self
             .arm
-            .get("Traffic Manager profile GET", &self.profile_path(id), TM_VERSION)
+            .get(
+                "Traffic Manager profile GET",
+                &self.profile_path(id),
+                TM_VERSION,
+            )
             .await?
             .map(|a| a.body))
     }
@@ -160,7 +164,11 @@ impl AzureCloud {
             .flatten()
             .min()
             .map(|p| *p as i64)
-            .or_else(|| current.as_ref().and_then(|c| c["properties"]["monitorConfig"]["port"].as_i64()))
+            .or_else(|| {
+                current
+                    .as_ref()
+                    .and_then(|c| c["properties"]["monitorConfig"]["port"].as_i64())
+            })
             .unwrap_or(DEFAULT_MONITOR_PORT);
         let ttl = ttl_of(spec);
         let profile = match current {
@@ -216,7 +224,12 @@ impl AzureCloud {
             .await?
             .into_iter()
             .filter(|z| z["properties"]["zoneType"].as_str().unwrap_or("Public") == "Public")
-            .filter_map(|z| Some((z["id"].as_str()?.to_string(), z["name"].as_str()?.to_string())))
+            .filter_map(|z| {
+                Some((
+                    z["id"].as_str()?.to_string(),
+                    z["name"].as_str()?.to_string(),
+                ))
+            })
             .collect())
     }
 
@@ -259,7 +272,10 @@ impl AzureCloud {
             props["CNAMERecord"] = json!({"cname": fqdn});
         }
         let body = json!({"properties": props});
-        let current = self.arm.get("DNS record set GET", &path, DNS_VERSION).await?;
+        let current = self
+            .arm
+            .get("DNS record set GET", &path, DNS_VERSION)
+            .await?;
         let written = match current {
             None => self
                 .arm
@@ -294,7 +310,11 @@ impl AzureCloud {
 
     /// Deletes the record set at `path` if it is this distributor's.
     async fn delete_record(&self, id: &str, path: &str) -> Result<()> {
-        let Some(current) = self.arm.get("DNS record set GET", path, DNS_VERSION).await? else {
+        let Some(current) = self
+            .arm
+            .get("DNS record set GET", path, DNS_VERSION)
+            .await?
+        else {
             return Ok(());
         };
         if current.body["properties"]["metadata"][OWNER_KEY].as_str() != Some(id) {
@@ -302,7 +322,12 @@ impl AzureCloud {
         }
         let etag = current.body["etag"].as_str().unwrap_or("*").to_string();
         self.arm
-            .delete_if("DNS record set DELETE", path, DNS_VERSION, &[("if-match", &etag)])
+            .delete_if(
+                "DNS record set DELETE",
+                path,
+                DNS_VERSION,
+                &[("if-match", &etag)],
+            )
             .await
     }
 }
@@ -345,9 +370,10 @@ fn points_at(record: &Value, apex: bool, fqdn: &str, profile_id: &str, ttl: i64)
             .as_str()
             .is_some_and(|t| t.eq_ignore_ascii_case(profile_id))
     } else {
-        p["CNAMERecord"]["cname"]
-            .as_str()
-            .is_some_and(|c| c.trim_end_matches('.').eq_ignore_ascii_case(fqdn.trim_end_matches('.')))
+        p["CNAMERecord"]["cname"].as_str().is_some_and(|c| {
+            c.trim_end_matches('.')
+                .eq_ignore_ascii_case(fqdn.trim_end_matches('.'))
+        })
     };
     target && p["TTL"].as_i64() == Some(ttl)
 }
@@ -378,8 +404,9 @@ fn zone_for<'z>(zones: &'z [(String, String)], domain: &str) -> Option<&'z (Stri
 
 /// FNV-1a, 32 bits: a short stable hash for a name.
 fn fnv32(s: &str) -> u32 {
-    s.bytes()
-        .fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193))
+    s.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    })
 }
 
 #[cfg(test)]

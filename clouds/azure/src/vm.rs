@@ -51,13 +51,17 @@ impl AzureCloud {
     }
 
     fn vm_path(&self, name: &str) -> String {
-        self.arm
-            .in_group(&self.resource_group, &format!("Microsoft.Compute/virtualMachines/{name}"))
+        self.arm.in_group(
+            &self.resource_group,
+            &format!("Microsoft.Compute/virtualMachines/{name}"),
+        )
     }
 
     fn nic_path(&self, name: &str) -> String {
-        self.arm
-            .in_group(&self.resource_group, &format!("Microsoft.Network/networkInterfaces/{name}"))
+        self.arm.in_group(
+            &self.resource_group,
+            &format!("Microsoft.Network/networkInterfaces/{name}"),
+        )
     }
 
     pub(super) fn vm_unusable(&self, node: &NodeSpec) -> Option<String> {
@@ -85,7 +89,10 @@ impl AzureCloud {
                     v["name"].as_str()?.to_string(),
                     (
                         v["tags"][NODE_TAG].as_str()?.to_string(),
-                        v["properties"]["provisioningState"].as_str().unwrap_or("").to_string(),
+                        v["properties"]["provisioningState"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_string(),
                     ),
                 ))
             })
@@ -119,7 +126,9 @@ impl AzureCloud {
             .lbscale_vms()
             .await?
             .into_iter()
-            .find(|(_, (node, state))| node == &req.node_id && state != "Failed" && state != "Deleting");
+            .find(|(_, (node, state))| {
+                node == &req.node_id && state != "Failed" && state != "Deleting"
+            });
         if existing.is_none() {
             if let Err(e) = self.create_vm(req, &image, subnet, &handle, &tags).await {
                 // The engine forgets a node whose provisioning failed: what
@@ -134,11 +143,17 @@ impl AzureCloud {
             .arm
             .get("network interface GET", &self.nic_path(&nic), NET_VERSION)
             .await?
-            .ok_or_else(|| CloudError::Failed(format!("the network interface {nic} of VM {vm} is gone")))?
+            .ok_or_else(|| {
+                CloudError::Failed(format!("the network interface {nic} of VM {vm} is gone"))
+            })?
             .body;
         let ip = nic_body["properties"]["ipConfigurations"][0]["properties"]["privateIPAddress"]
             .as_str()
-            .ok_or_else(|| CloudError::Failed(format!("the network interface {nic} of VM {vm} has no private address")))?;
+            .ok_or_else(|| {
+                CloudError::Failed(format!(
+                    "the network interface {nic} of VM {vm} has no private address"
+                ))
+            })?;
         Ok(Provisioned {
             private_ip: ip.to_string(),
             public_ip: None,
@@ -192,7 +207,8 @@ impl AzureCloud {
             },
         });
         if let Some(identity) = &req.node.identity {
-            body["identity"] = json!({"type": "UserAssigned", "userAssignedIdentities": {identity: {}}});
+            body["identity"] =
+                json!({"type": "UserAssigned", "userAssignedIdentities": {identity: {}}});
         }
         let what = format!("virtual machine PUT {}", h.vm);
         self.arm
@@ -204,10 +220,18 @@ impl AzureCloud {
 
     async fn delete_vm(&self, h: &NodeHandle) -> Result<()> {
         self.arm
-            .delete(&format!("virtual machine DELETE {}", h.vm), &self.vm_path(&h.vm), COMPUTE_VERSION)
+            .delete(
+                &format!("virtual machine DELETE {}", h.vm),
+                &self.vm_path(&h.vm),
+                COMPUTE_VERSION,
+            )
             .await?;
         self.arm
-            .delete(&format!("network interface DELETE {}", h.nic), &self.nic_path(&h.nic), NET_VERSION)
+            .delete(
+                &format!("network interface DELETE {}", h.nic),
+                &self.nic_path(&h.nic),
+                NET_VERSION,
+            )
             .await
     }
 
@@ -221,7 +245,11 @@ impl AzureCloud {
         for (name, (id, _)) in self.lbscale_vms().await? {
             if id == node.id && name != h.vm {
                 self.arm
-                    .delete("virtual machine DELETE", &self.vm_path(&name), COMPUTE_VERSION)
+                    .delete(
+                        "virtual machine DELETE",
+                        &self.vm_path(&name),
+                        COMPUTE_VERSION,
+                    )
                     .await?;
             }
         }
@@ -234,8 +262,9 @@ impl AzureCloud {
         Ok(nodes
             .iter()
             .map(|n| {
-                vms.values()
-                    .any(|(id, state)| id == &n.id && !matches!(state.as_str(), "Failed" | "Deleting"))
+                vms.values().any(|(id, state)| {
+                    id == &n.id && !matches!(state.as_str(), "Failed" | "Deleting")
+                })
             })
             .collect())
     }
@@ -331,8 +360,13 @@ mod tests {
         let id = "/subscriptions/s/resourceGroups/g/providers/Microsoft.Compute/images/lbscale";
         assert_eq!(image_reference(id).unwrap()["id"], id);
         for bad in ["ubuntu", "a:b:c", "a::c:d"] {
-            let CloudError::Failed(e) = image_reference(bad).unwrap_err() else { panic!() };
-            assert!(e.contains("node.image") && e.contains("publisher:offer:sku:version"), "{e}");
+            let CloudError::Failed(e) = image_reference(bad).unwrap_err() else {
+                panic!()
+            };
+            assert!(
+                e.contains("node.image") && e.contains("publisher:offer:sku:version"),
+                "{e}"
+            );
         }
     }
 
@@ -340,7 +374,9 @@ mod tests {
     fn the_ssh_key_is_an_openssh_ed25519_key() {
         let k = throwaway_ssh_key().unwrap();
         let b64 = k.split(' ').nth(1).unwrap();
-        let blob = base64::engine::general_purpose::STANDARD.decode(b64).unwrap();
+        let blob = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .unwrap();
         assert_eq!(&blob[4..15], b"ssh-ed25519");
         assert_eq!(blob.len(), 4 + 11 + 4 + 32);
         assert_ne!(k, throwaway_ssh_key().unwrap());

@@ -8,7 +8,9 @@ use lbscale_cloud_azure::{AzureCloud, NODE_API_PORT};
 use lbscale_engine::cloud::{
     Balance, Cloud, Distributor, DriverStore, PortTargets, ProvisionRequest, Publication,
 };
-use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec};
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
+};
 use lbscale_engine::nodeapi::auth;
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use serde_json::{json, Value};
@@ -46,7 +48,10 @@ fn publication(endpoints: &[(&str, &[&str])], ports: &[u16]) -> Publication {
 }
 
 fn tm_path(rg: &str, id: &str) -> String {
-    Fake::path(rg, &format!("Microsoft.Network/trafficmanagerprofiles/lbscale-{id}"))
+    Fake::path(
+        rg,
+        &format!("Microsoft.Network/trafficmanagerprofiles/lbscale-{id}"),
+    )
 }
 
 fn targets(profile: &Value) -> Vec<String> {
@@ -62,7 +67,8 @@ fn targets(profile: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dns_distributor_is_a_traffic_manager_profile_with_a_cname_it_owns() {
-    let Some(fake) = fake("a_dns_distributor_is_a_traffic_manager_profile_with_a_cname_it_owns") else {
+    let Some(fake) = fake("a_dns_distributor_is_a_traffic_manager_profile_with_a_cname_it_owns")
+    else {
         return;
     };
     let rg = unique("rg-dns");
@@ -76,19 +82,36 @@ async fn a_dns_distributor_is_a_traffic_manager_profile_with_a_cname_it_owns() {
 
     cloud.ensure(&id, &spec).await.expect("ensure");
     let profile = fake.resource(&tm_path(&rg, &id)).expect("a profile");
-    let fqdn = profile["properties"]["dnsConfig"]["fqdn"].as_str().unwrap().to_string();
+    let fqdn = profile["properties"]["dnsConfig"]["fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(fqdn.ends_with(".trafficmanager.net"), "{fqdn}");
     assert_eq!(cloud.addresses(&id, &spec)["dns"], fqdn);
-    let record = fake.resource(&format!("{zone_path}/CNAME/www")).expect("the CNAME");
+    let record = fake
+        .resource(&format!("{zone_path}/CNAME/www"))
+        .expect("the CNAME");
     assert_eq!(record["properties"]["CNAMERecord"]["cname"], fqdn);
-    assert_eq!(record["properties"]["metadata"]["lbscale_distributor"], id.as_str());
+    assert_eq!(
+        record["properties"]["metadata"]["lbscale_distributor"],
+        id.as_str()
+    );
     assert_eq!(record["properties"]["TTL"], 30);
 
     // One external endpoint per serving node, the TTL, monitoring the vserver port.
-    let p = publication(&[("1", &["127.92.0.10", "127.92.0.11"]), ("2", &["127.92.0.12"])], &[8080, 443]);
+    let p = publication(
+        &[
+            ("1", &["127.92.0.10", "127.92.0.11"]),
+            ("2", &["127.92.0.12"]),
+        ],
+        &[8080, 443],
+    );
     cloud.publish(&id, &spec, &p).await.expect("publish");
     let profile = fake.resource(&tm_path(&rg, &id)).unwrap();
-    assert_eq!(targets(&profile), ["127.92.0.10", "127.92.0.11", "127.92.0.12"]);
+    assert_eq!(
+        targets(&profile),
+        ["127.92.0.10", "127.92.0.11", "127.92.0.12"]
+    );
     let props = &profile["properties"];
     assert_eq!(props["trafficRoutingMethod"], "MultiValue");
     assert_eq!(props["dnsConfig"]["ttl"], 30);
@@ -113,11 +136,17 @@ async fn a_dns_distributor_is_a_traffic_manager_profile_with_a_cname_it_owns() {
     };
     store.insert_distributor(&id, &spec60).ok();
     let p = publication(&[("1", &["127.92.0.11"]), ("2", &[])], &[443]);
-    cloud.publish(&id, &spec60, &p).await.expect("publish fewer");
+    cloud
+        .publish(&id, &spec60, &p)
+        .await
+        .expect("publish fewer");
     let profile = fake.resource(&tm_path(&rg, &id)).unwrap();
     assert_eq!(targets(&profile), ["127.92.0.11"]);
     assert_eq!(profile["properties"]["dnsConfig"]["ttl"], 60);
-    assert_eq!(fake.resource(&format!("{zone_path}/CNAME/www")).unwrap()["properties"]["TTL"], 60);
+    assert_eq!(
+        fake.resource(&format!("{zone_path}/CNAME/www")).unwrap()["properties"]["TTL"],
+        60
+    );
 
     // Removed: the profile and the record set go.
     cloud.remove(&id).await.expect("remove");
@@ -137,7 +166,9 @@ async fn a_record_set_lbscale_did_not_make_is_never_taken_over() {
     let (code, body) = fake.arm(
         "PUT",
         &theirs,
-        Some(json!({"properties": {"TTL": 300, "CNAMERecord": {"cname": "elsewhere.example.net"}}})),
+        Some(
+            json!({"properties": {"TTL": 300, "CNAMERecord": {"cname": "elsewhere.example.net"}}}),
+        ),
     );
     assert_eq!(code, 201, "{body}");
     let store = store("own");
@@ -146,17 +177,27 @@ async fn a_record_set_lbscale_did_not_make_is_never_taken_over() {
     let spec = dns_spec(&format!("shop.{zone}"), "30s");
     store.insert_distributor(&id, &spec).unwrap();
     let e = cloud.ensure(&id, &spec).await.unwrap_err().to_string();
-    assert!(e.contains(&format!("shop.{zone}")) && e.contains("not this distributor's"), "{e}");
+    assert!(
+        e.contains(&format!("shop.{zone}")) && e.contains("not this distributor's"),
+        "{e}"
+    );
     cloud.remove(&id).await.expect("remove");
-    let r = fake.resource(&format!("{zone_path}/CNAME/shop")).expect("theirs is still there");
-    assert_eq!(r["properties"]["CNAMERecord"]["cname"], "elsewhere.example.net");
+    let r = fake
+        .resource(&format!("{zone_path}/CNAME/shop"))
+        .expect("theirs is still there");
+    assert_eq!(
+        r["properties"]["CNAMERecord"]["cname"],
+        "elsewhere.example.net"
+    );
 
     // At a zone's apex: an alias A record set to the profile.
     let apex_id = unique("d");
     let apex = dns_spec(&zone, "30s");
     store.insert_distributor(&apex_id, &apex).unwrap();
     cloud.ensure(&apex_id, &apex).await.expect("apex");
-    let r = fake.resource(&format!("{zone_path}/A/@")).expect("the alias");
+    let r = fake
+        .resource(&format!("{zone_path}/A/@"))
+        .expect("the alias");
     assert!(r["properties"]["targetResource"]["id"]
         .as_str()
         .unwrap()
@@ -167,7 +208,8 @@ async fn a_record_set_lbscale_did_not_make_is_never_taken_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag() {
-    let Some(fake) = fake("an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag") else {
+    let Some(fake) = fake("an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag")
+    else {
         return;
     };
     let rg = unique("rg-nlb");
@@ -183,9 +225,13 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         ttl: DeclaredDuration::parse("60s").unwrap(),
     };
     store.insert_distributor(&id, &spec).unwrap();
-    let mut p = publication(&[("1", &["10.0.1.4", "10.0.1.5"]), ("2", &["10.0.2.4"])], &[80, 443]);
+    let mut p = publication(
+        &[("1", &["10.0.1.4", "10.0.1.5"]), ("2", &["10.0.2.4"])],
+        &[80, 443],
+    );
     for (z, s) in &subnets {
-        p.subnets.insert(z.clone(), [s.clone()].into_iter().collect());
+        p.subnets
+            .insert(z.clone(), [s.clone()].into_iter().collect());
     }
     // A native primary on 443 in zone 1.
     p.port_targets.entry("1".into()).or_default().insert(
@@ -196,7 +242,10 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         },
     );
     cloud.publish(&id, &spec, &p).await.expect("publish");
-    let lb_path = Fake::path(&rg, &format!("Microsoft.Network/loadBalancers/lbscale-{id}"));
+    let lb_path = Fake::path(
+        &rg,
+        &format!("Microsoft.Network/loadBalancers/lbscale-{id}"),
+    );
     let lb = fake.resource(&lb_path).expect("a load balancer");
     assert_eq!(lb["sku"]["name"], "Standard");
     let props = &lb["properties"];
@@ -234,7 +283,12 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
     assert_eq!(props["probes"].as_array().unwrap().len(), 2);
     // Each zone's VIP is the frontend's address there.
     let addresses = cloud.addresses(&id, &spec);
-    assert_eq!(addresses["1"], fronts["fe-1"]["properties"]["privateIPAddress"].as_str().unwrap());
+    assert_eq!(
+        addresses["1"],
+        fronts["fe-1"]["properties"]["privateIPAddress"]
+            .as_str()
+            .unwrap()
+    );
     assert_eq!(addresses.len(), 2);
 
     // Another writer drops a member; a 412 (a write in between) is read again.
@@ -250,10 +304,17 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         theirs.as_object_mut().unwrap().remove(k);
     }
     strip_read_only(&mut theirs);
-    let (code, body) = fake.arm("PUT", &format!("{lb_path}?api-version=2025-07-01"), Some(theirs));
+    let (code, body) = fake.arm(
+        "PUT",
+        &format!("{lb_path}?api-version=2025-07-01"),
+        Some(theirs),
+    );
     assert!(code == 200, "{code} {body}");
     fake.fail("PUT", &format!("loadBalancers/lbscale-{id}$"), 412, 1);
-    cloud.publish(&id, &spec, &p).await.expect("publish over the other writer");
+    cloud
+        .publish(&id, &spec, &p)
+        .await
+        .expect("publish over the other writer");
     let lb2 = fake.resource(&lb_path).unwrap();
     assert_ne!(lb2["etag"].as_str().unwrap(), etag);
     let z2 = lb2["properties"]["backendAddressPools"]
@@ -263,21 +324,38 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         .find(|b| b["name"] == "z2")
         .unwrap()
         .clone();
-    assert_eq!(z2["properties"]["loadBalancerBackendAddresses"][0]["properties"]["ipAddress"], "10.0.2.4");
+    assert_eq!(
+        z2["properties"]["loadBalancerBackendAddresses"][0]["properties"]["ipAddress"],
+        "10.0.2.4"
+    );
     let writes: Vec<Value> = fake
         .requests()
         .into_iter()
-        .filter(|r| r["method"] == "PUT" && r["path"].as_str().unwrap().ends_with(&format!("lbscale-{id}")))
+        .filter(|r| {
+            r["method"] == "PUT"
+                && r["path"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with(&format!("lbscale-{id}"))
+        })
         .collect();
     // The driver's: the creation under If-None-Match, the update under the
     // ETag it read (the other writer's, unconditional, in between).
     assert_eq!(writes.len(), 3, "{writes:?}");
     assert_eq!(writes[0]["if_none_match"], "*", "{writes:?}");
     assert!(writes[1]["if_match"].is_null(), "{writes:?}");
-    assert!(writes[2]["if_match"].as_str().is_some_and(|e| e.starts_with("W/")), "{writes:?}");
+    assert!(
+        writes[2]["if_match"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("W/")),
+        "{writes:?}"
+    );
 
     // Nothing published: no load balancer.
-    cloud.publish(&id, &spec, &Publication::default()).await.expect("empty");
+    cloud
+        .publish(&id, &spec, &Publication::default())
+        .await
+        .expect("empty");
     assert!(fake.resource(&lb_path).is_none());
     assert!(cloud.addresses(&id, &spec).is_empty());
 }
@@ -298,7 +376,8 @@ fn strip_read_only(v: &mut Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttling_and_failures_are_retried_and_errors_name_azure_s_code() {
-    let Some(fake) = fake("throttling_and_failures_are_retried_and_errors_name_azure_s_code") else {
+    let Some(fake) = fake("throttling_and_failures_are_retried_and_errors_name_azure_s_code")
+    else {
         return;
     };
     let rg = unique("rg-faults");
@@ -308,19 +387,36 @@ async fn throttling_and_failures_are_retried_and_errors_name_azure_s_code() {
     let spec = dns_spec("nowhere.invalid", "30s");
     store.insert_distributor(&id, &spec).unwrap();
     // Two 429s and a 503 on the profile's GET: retried.
-    fake.fail("GET", &format!("trafficmanagerprofiles/lbscale-{id}$"), 429, 2);
-    fake.fail("GET", &format!("trafficmanagerprofiles/lbscale-{id}$"), 503, 1);
+    fake.fail(
+        "GET",
+        &format!("trafficmanagerprofiles/lbscale-{id}$"),
+        429,
+        2,
+    );
+    fake.fail(
+        "GET",
+        &format!("trafficmanagerprofiles/lbscale-{id}$"),
+        503,
+        1,
+    );
     cloud.ensure(&id, &spec).await.expect("retried");
     assert!(fake.resource(&tm_path(&rg, &id)).is_some());
     // More 500s than attempts: the error names the operation, the status and Azure's code.
-    fake.fail("GET", &format!("trafficmanagerprofiles/lbscale-{id}$"), 500, 20);
+    fake.fail(
+        "GET",
+        &format!("trafficmanagerprofiles/lbscale-{id}$"),
+        500,
+        20,
+    );
     let e = cloud
         .publish(&id, &spec, &publication(&[("1", &["127.0.0.9"])], &[80]))
         .await
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("Traffic Manager profile GET") && e.contains("HTTP 500") && e.contains("InternalServerError"),
+        e.contains("Traffic Manager profile GET")
+            && e.contains("HTTP 500")
+            && e.contains("InternalServerError"),
         "{e}"
     );
     cloud.remove(&id).await.ok();
@@ -338,10 +434,17 @@ async fn throttling_and_failures_are_retried_and_errors_name_azure_s_code() {
     };
     store.insert_distributor(&nid, &nlb).unwrap();
     let mut p = publication(&[("1", &["10.0.1.4"])], &[80]);
-    p.subnets.insert("1".into(), [subnets["1"].clone()].into_iter().collect());
-    fake.fail_operation(&format!("loadBalancers/lbscale-{nid}$"), "LoadBalancerInternalError");
+    p.subnets
+        .insert("1".into(), [subnets["1"].clone()].into_iter().collect());
+    fake.fail_operation(
+        &format!("loadBalancers/lbscale-{nid}$"),
+        "LoadBalancerInternalError",
+    );
     let e = cloud.publish(&nid, &nlb, &p).await.unwrap_err().to_string();
-    assert!(e.contains("load balancer PUT") && e.contains("LoadBalancerInternalError"), "{e}");
+    assert!(
+        e.contains("load balancer PUT") && e.contains("LoadBalancerInternalError"),
+        "{e}"
+    );
     cloud.publish(&nid, &nlb, &p).await.expect("a second try");
     cloud.remove(&nid).await.unwrap();
 }
@@ -375,7 +478,9 @@ fn row(req: &ProvisionRequest, handle: Value) -> NodeRow {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_nic_and_disk() {
-    let Some(fake) = fake("a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_nic_and_disk") else {
+    let Some(fake) =
+        fake("a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_nic_and_disk")
+    else {
         return;
     };
     let rg = unique("rg-vm");
@@ -387,7 +492,9 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
         image: Some("Canonical:ubuntu-24_04-lts:server:latest".into()),
         size: Some("Standard_B2s".into()),
         subnets: subnets.clone(),
-        tags: [("team".to_string(), "web".to_string())].into_iter().collect(),
+        tags: [("team".to_string(), "web".to_string())]
+            .into_iter()
+            .collect(),
         ..NodeSpec::default()
     };
     assert!(cloud.node_unusable(&node).is_none());
@@ -402,19 +509,33 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
     let req = request(&node_id, "2", node.clone());
     let p = cloud.provision(&req).await.expect("provision");
     assert_eq!(p.api_port, NODE_API_PORT);
-    let vm_path = Fake::path(&rg, &format!("Microsoft.Compute/virtualMachines/lbscale-{node_id}"));
+    let vm_path = Fake::path(
+        &rg,
+        &format!("Microsoft.Compute/virtualMachines/lbscale-{node_id}"),
+    );
     let vm = fake.resource(&vm_path).expect("a VM");
     assert_eq!(vm["zones"], json!(["2"]));
     assert_eq!(vm["tags"]["lbscale-node-id"], node_id.as_str());
     assert_eq!(vm["tags"]["lbscale-group-id"], "g-azure");
     assert_eq!(vm["tags"]["team"], "web");
-    assert_eq!(vm["properties"]["hardwareProfile"]["vmSize"], "Standard_B2s");
-    assert_eq!(vm["properties"]["storageProfile"]["imageReference"]["publisher"], "Canonical");
+    assert_eq!(
+        vm["properties"]["hardwareProfile"]["vmSize"],
+        "Standard_B2s"
+    );
+    assert_eq!(
+        vm["properties"]["storageProfile"]["imageReference"]["publisher"],
+        "Canonical"
+    );
     assert_eq!(vm["properties"]["provisioningState"], "Succeeded");
-    let nic_id = vm["properties"]["networkProfile"]["networkInterfaces"][0]["id"].as_str().unwrap();
+    let nic_id = vm["properties"]["networkProfile"]["networkInterfaces"][0]["id"]
+        .as_str()
+        .unwrap();
     let nic = fake.resource(nic_id).expect("its NIC");
     let ipc = &nic["properties"]["ipConfigurations"][0]["properties"];
-    assert!(ipc["subnet"]["id"].as_str().unwrap().eq_ignore_ascii_case(&subnets["2"]));
+    assert!(ipc["subnet"]["id"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(&subnets["2"]));
     assert_eq!(ipc["privateIPAddress"].as_str().unwrap(), p.private_ip);
     let disk = vm["properties"]["storageProfile"]["osDisk"]["managedDisk"]["id"]
         .as_str()
@@ -429,13 +550,28 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
     assert_eq!(vms.len(), 1, "{vms:?}");
 
     let r = row(&req, p.handle.clone());
-    assert_eq!(cloud.alive(&[r.clone(), row(&request("other", "1", node.clone()), Value::Null)]).await.unwrap(), [true, false]);
+    assert_eq!(
+        cloud
+            .alive(&[
+                r.clone(),
+                row(&request("other", "1", node.clone()), Value::Null)
+            ])
+            .await
+            .unwrap(),
+        [true, false]
+    );
     cloud.deprovision(&r).await.expect("deprovision");
     assert!(fake.resource(&vm_path).is_none());
     assert!(fake.resource(nic_id).is_none(), "the NIC went with the VM");
-    assert!(fake.state()["disks"].get(&disk).is_none(), "the disk went with the VM");
+    assert!(
+        fake.state()["disks"].get(&disk).is_none(),
+        "the disk went with the VM"
+    );
     assert!(!cloud.is_alive(&r).await.unwrap());
-    cloud.deprovision(&r).await.expect("deprovision is idempotent");
+    cloud
+        .deprovision(&r)
+        .await
+        .expect("deprovision is idempotent");
 
     // A node without a handle is found by its name and tag.
     let lost = request(&unique("lost"), "1", node.clone());
@@ -448,13 +584,26 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expiry() {
-    let Some(fake) = fake("tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expiry") else {
+    let Some(fake) =
+        fake("tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expiry")
+    else {
         return;
     };
     use lbscale_cloud_azure::credentials::{Choice, EnvVars};
     let store = store("creds");
-    let grants = |f: &Fake| f.control("GET", "/_fake/grants", None)["grants"].as_array().unwrap().clone();
-    let env = |v: &[(&str, &str)]| EnvVars(v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    let grants = |f: &Fake| {
+        f.control("GET", "/_fake/grants", None)["grants"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let env = |v: &[(&str, &str)]| {
+        EnvVars(
+            v.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    };
     let base = |e: EnvVars| lbscale_cloud_azure::AzureSettings {
         credentials: Choice {
             authority_host: Some(fake.endpoint.clone()),
@@ -467,23 +616,40 @@ async fn tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expi
     // Environment (ARM_*): a client secret.
     let client = unique("env-client");
     let cloud = AzureCloud::new(
-        base(env(&[("ARM_CLIENT_ID", &client), ("ARM_CLIENT_SECRET", "s"), ("ARM_TENANT_ID", TENANT)])),
+        base(env(&[
+            ("ARM_CLIENT_ID", &client),
+            ("ARM_CLIENT_SECRET", "s"),
+            ("ARM_TENANT_ID", TENANT),
+        ])),
         DriverStore::new(store.clone()),
     )
     .unwrap();
     cloud.check_credentials().await.unwrap();
-    assert!(grants(&fake).iter().any(|g| g["subject"] == format!("{TENANT}/{client}") && g["how"] == "secret"));
+    assert!(grants(&fake)
+        .iter()
+        .any(|g| g["subject"] == format!("{TENANT}/{client}") && g["how"] == "secret"));
     assert!(!cloud.credential_source().contains("\"s\""));
 
     // A wrong secret: the login's error code, not the secret.
-    fake.control("POST", "/_fake/clients", Some(json!({"client_id": "locked", "secret": "right"})));
+    fake.control(
+        "POST",
+        "/_fake/clients",
+        Some(json!({"client_id": "locked", "secret": "right"})),
+    );
     let cloud = AzureCloud::new(
-        base(env(&[("AZURE_CLIENT_ID", "locked"), ("AZURE_CLIENT_SECRET", "wrong-s3cret"), ("AZURE_TENANT_ID", TENANT)])),
+        base(env(&[
+            ("AZURE_CLIENT_ID", "locked"),
+            ("AZURE_CLIENT_SECRET", "wrong-s3cret"),
+            ("AZURE_TENANT_ID", TENANT),
+        ])),
         DriverStore::new(store.clone()),
     )
     .unwrap();
     let e = cloud.check_credentials().await.unwrap_err().to_string();
-    assert!(e.contains("invalid_client") && e.contains("AADSTS7000215") && !e.contains("wrong-s3cret"), "{e}");
+    assert!(
+        e.contains("invalid_client") && e.contains("AADSTS7000215") && !e.contains("wrong-s3cret"),
+        "{e}"
+    );
 
     // Workload identity: the federated token file.
     let file = std::env::temp_dir().join(format!("lbscale-azure-federated-{}", std::process::id()));
@@ -499,24 +665,35 @@ async fn tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expi
     )
     .unwrap();
     cloud.check_credentials().await.unwrap();
-    assert!(grants(&fake).iter().any(|g| g["subject"] == format!("{TENANT}/{wi}") && g["how"] == "federated"));
+    assert!(grants(&fake)
+        .iter()
+        .any(|g| g["subject"] == format!("{TENANT}/{wi}") && g["how"] == "federated"));
 
     // Managed identity: the metadata endpoint (the fake's, for the test).
     let mi = unique("uai");
     let cloud = AzureCloud::new(
-        base(env(&[("AZURE_CLIENT_ID", &mi), ("AZURE_POD_IDENTITY_AUTHORITY_HOST", &fake.endpoint)])),
+        base(env(&[
+            ("AZURE_CLIENT_ID", &mi),
+            ("AZURE_POD_IDENTITY_AUTHORITY_HOST", &fake.endpoint),
+        ])),
         DriverStore::new(store.clone()),
     )
     .unwrap();
     assert!(cloud.credential_source().contains("managed identity"));
     cloud.check_credentials().await.unwrap();
-    assert!(grants(&fake).iter().any(|g| g["subject"] == format!("managed-identity/{mi}")));
+    assert!(grants(&fake)
+        .iter()
+        .any(|g| g["subject"] == format!("managed-identity/{mi}")));
 
     // Short-lived tokens are fetched again before they expire, and ARM calls go on.
     fake.control("POST", "/_fake/tokens", Some(json!({"expires_in": 2})));
     let short = unique("short");
     let cloud = AzureCloud::new(
-        base(env(&[("AZURE_CLIENT_ID", &short), ("AZURE_CLIENT_SECRET", "s"), ("AZURE_TENANT_ID", TENANT)])),
+        base(env(&[
+            ("AZURE_CLIENT_ID", &short),
+            ("AZURE_CLIENT_SECRET", "s"),
+            ("AZURE_TENANT_ID", TENANT),
+        ])),
         DriverStore::new(store.clone()),
     )
     .unwrap();
@@ -526,13 +703,18 @@ async fn tokens_come_from_each_source_of_the_chain_and_are_refreshed_before_expi
     let result = async {
         cloud.ensure(&id, &spec).await?;
         tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
-        cloud.publish(&id, &spec, &publication(&[("1", &["127.0.0.7"])], &[80])).await?;
+        cloud
+            .publish(&id, &spec, &publication(&[("1", &["127.0.0.7"])], &[80]))
+            .await?;
         cloud.remove(&id).await
     }
     .await;
     fake.control("POST", "/_fake/tokens", Some(json!({"expires_in": 3600})));
     result.expect("calls across the refresh");
-    let n = grants(&fake).iter().filter(|g| g["subject"] == format!("{TENANT}/{short}")).count();
+    let n = grants(&fake)
+        .iter()
+        .filter(|g| g["subject"] == format!("{TENANT}/{short}"))
+        .count();
     assert!(n >= 2, "one token for all: {n}");
     let _ = CLIENT;
 }

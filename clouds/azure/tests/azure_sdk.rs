@@ -8,7 +8,9 @@
 use lbscale_cloud_azure::fake_testing::{fake, unique, Fake, CLIENT, SECRET, SUBSCRIPTION, TENANT};
 use lbscale_cloud_azure::AzureCloud;
 use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, Publication};
-use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec};
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
+};
 use lbscale_engine::nodeapi::auth;
 use lbscale_engine::store::Store;
 use serde_json::Value;
@@ -25,7 +27,10 @@ fn sdk_python() -> Option<PathBuf> {
     if out.status.success() {
         return Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()));
     }
-    let why = format!("scripts/azure-sdk.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let why = format!(
+        "scripts/azure-sdk.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     if std::env::var("CI").as_deref() == Ok("true") {
         panic!("{why}");
     }
@@ -40,7 +45,8 @@ struct Sdk<'a> {
 
 impl Sdk<'_> {
     fn run(&self, args: &[&str]) -> Value {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/azure_sdk_client.py");
+        let script =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/azure_sdk_client.py");
         let out = std::process::Command::new(&self.python)
             .arg(script)
             .args(args)
@@ -72,14 +78,26 @@ fn strings(v: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their_changes() {
-    let Some(fake) = fake("azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their_changes") else {
+    let Some(fake) =
+        fake("azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their_changes")
+    else {
         return;
     };
     let Some(python) = sdk_python() else { return };
-    let sdk = Sdk { python, fake: &fake };
+    let sdk = Sdk {
+        python,
+        fake: &fake,
+    };
     let rg = unique("rg-sdk");
     // The network made by the SDK, used by the driver.
-    let net = sdk.run(&["network", &rg, "lbscale-sdk", "westeurope", "1=10.0.1.0/24", "2=10.0.2.0/24"]);
+    let net = sdk.run(&[
+        "network",
+        &rg,
+        "lbscale-sdk",
+        "westeurope",
+        "1=10.0.1.0/24",
+        "2=10.0.2.0/24",
+    ]);
     let subnet = |z: &str| net["subnets"][z].as_str().unwrap().to_string();
     let zone = format!("{}.example", unique("z"));
     sdk.run(&["zone", &rg, &zone]);
@@ -101,9 +119,11 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
     store.insert_distributor(&nlb_id, &nlb).unwrap();
     let mut p = Publication::default();
     for (z, ips) in [("1", vec!["10.0.1.4", "10.0.1.5"]), ("2", vec!["10.0.2.4"])] {
-        p.endpoints.insert(z.into(), ips.into_iter().map(String::from).collect());
+        p.endpoints
+            .insert(z.into(), ips.into_iter().map(String::from).collect());
         p.ports.insert(z.into(), vec![80]);
-        p.subnets.insert(z.into(), [subnet(z)].into_iter().collect());
+        p.subnets
+            .insert(z.into(), [subnet(z)].into_iter().collect());
     }
     cloud.publish(&nlb_id, &nlb, &p).await.expect("publish nlb");
     let lb_name = format!("lbscale-{nlb_id}");
@@ -121,9 +141,18 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
     );
     // The SDK drops a member (under the ETag it read); the driver puts it back.
     sdk.run(&["lb-drop-address", &rg, &lb_name, "z1", "10.0.1.5"]);
-    assert_eq!(strings(&sdk.run(&["lb", &rg, &lb_name])["pools"]["z1"]), ["10.0.1.4"]);
-    cloud.publish(&nlb_id, &nlb, &p).await.expect("publish again");
-    assert_eq!(strings(&sdk.run(&["lb", &rg, &lb_name])["pools"]["z1"]), ["10.0.1.4", "10.0.1.5"]);
+    assert_eq!(
+        strings(&sdk.run(&["lb", &rg, &lb_name])["pools"]["z1"]),
+        ["10.0.1.4"]
+    );
+    cloud
+        .publish(&nlb_id, &nlb, &p)
+        .await
+        .expect("publish again");
+    assert_eq!(
+        strings(&sdk.run(&["lb", &rg, &lb_name])["pools"]["z1"]),
+        ["10.0.1.4", "10.0.1.5"]
+    );
 
     // dns: Traffic Manager endpoints of the serving nodes and the CNAME.
     let dns_id = unique("d");
@@ -136,7 +165,8 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
     };
     store.insert_distributor(&dns_id, &dns).unwrap();
     let mut d = Publication::default();
-    d.endpoints.insert("1".into(), vec!["127.92.9.1".into(), "127.92.9.2".into()]);
+    d.endpoints
+        .insert("1".into(), vec!["127.92.9.1".into(), "127.92.9.2".into()]);
     d.ports.insert("1".into(), vec![8080]);
     cloud.ensure(&dns_id, &dns).await.unwrap();
     cloud.publish(&dns_id, &dns, &d).await.expect("publish dns");
@@ -151,9 +181,18 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
     assert_eq!(cname["metadata"]["lbscale_distributor"], dns_id.as_str());
     // The SDK deletes an endpoint; the driver's next publication restores it.
     sdk.run(&["tm-delete-endpoint", &rg, &profile, "n-127-92-9-2"]);
-    assert_eq!(strings(&sdk.run(&["tm", &rg, &profile])["endpoints"]), ["127.92.9.1"]);
-    cloud.publish(&dns_id, &dns, &d).await.expect("publish dns again");
-    assert_eq!(strings(&sdk.run(&["tm", &rg, &profile])["endpoints"]), ["127.92.9.1", "127.92.9.2"]);
+    assert_eq!(
+        strings(&sdk.run(&["tm", &rg, &profile])["endpoints"]),
+        ["127.92.9.1"]
+    );
+    cloud
+        .publish(&dns_id, &dns, &d)
+        .await
+        .expect("publish dns again");
+    assert_eq!(
+        strings(&sdk.run(&["tm", &rg, &profile])["endpoints"]),
+        ["127.92.9.1", "127.92.9.2"]
+    );
 
     // A node: the VM as Compute's SDK lists it.
     let node_id = unique("vm");
