@@ -55,7 +55,9 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         }
     }
     events.sort_by_key(|(_, e)| e.time_ms);
-    let mut rows = vec![["TIME", "GROUP", "AZ", "KIND", "REASON"]
+    // Repeats of an event (same AZ, kind and reason, in a row) are one row:
+    // COUNT says how many, and when the last one was.
+    let mut rows = vec![["TIME", "GROUP", "AZ", "KIND", "COUNT", "REASON"]
         .map(String::from)
         .to_vec()];
     for (name, e) in events {
@@ -64,6 +66,11 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             name,
             e.az.unwrap_or_else(|| "-".into()),
             e.kind,
+            if e.count > 1 {
+                format!("{} (last {})", e.count, format_time(e.last_ms))
+            } else {
+                "1".into()
+            },
             e.reason,
         ]);
     }

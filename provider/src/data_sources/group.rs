@@ -20,6 +20,8 @@ pub struct EventObject {
     pub availability_zone: Value<String>,
     pub kind: Value<String>,
     pub reason: Value<String>,
+    pub count: Value<i64>,
+    pub last_time: Value<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -58,6 +60,8 @@ impl DataSource for GroupDataSource {
             ("availability_zone".to_string(), AttributeType::String),
             ("kind".to_string(), AttributeType::String),
             ("reason".to_string(), AttributeType::String),
+            ("count".to_string(), AttributeType::Number),
+            ("last_time".to_string(), AttributeType::String),
         ]));
         Some(Schema {
             version: 1,
@@ -69,7 +73,7 @@ impl DataSource for GroupDataSource {
                     ("nodes", computed(AttributeType::List(Box::new(node_object_type())), "The group's nodes now.")),
                     ("node_count", computed(AttributeType::Number, "Nodes serving now.")),
                     ("status", computed(AttributeType::String, "`ok` when every AZ has at least `min_nodes` serving; otherwise `degraded (...)` saying which.")),
-                    ("events", computed(AttributeType::List(Box::new(event)), "The most recent scaling events (up to 100), oldest first: `time` (RFC 3339), `availability_zone`, `kind`, `reason`.")),
+                    ("events", computed(AttributeType::List(Box::new(event)), "The most recent scaling events (up to 100), oldest first: `time` (RFC 3339), `availability_zone`, `kind`, `reason`; repeats in a row (same AZ, kind and reason) are one event with `count` and the `last_time` it happened.")),
                 ],
                 vec![],
             ),
@@ -137,6 +141,8 @@ impl DataSource for GroupDataSource {
                         availability_zone: e.az.into(),
                         kind: Value::Value(e.kind),
                         reason: Value::Value(e.reason),
+                        count: Value::Value(e.count as i64),
+                        last_time: Value::Value(rfc3339(e.last_ms)),
                     })
                     .collect(),
             ),

@@ -36,6 +36,7 @@ data "lbscale_autoscale_group" "g" {
 output "node_count" { value = data.lbscale_autoscale_group.g.node_count }
 output "status" { value = data.lbscale_autoscale_group.g.status }
 output "event_kinds" { value = [for e in data.lbscale_autoscale_group.g.events : e.kind] }
+output "repeats" { value = [for e in data.lbscale_autoscale_group.g.events : "${e.kind} ${e.count} ${e.last_time}" if e.kind == "resume_failed"] }
 output "dns" { value = lbscale_traffic_distributor.d.address["dns"] }
 "#;
 
@@ -119,6 +120,30 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
     ] {
         assert!(kinds.iter().any(|x| x == k), "no {k} event in {kinds:?}");
     }
+    // Repeats of one event (as a resume that keeps failing records) are one
+    // event with a count, in the data source and in `lbscale events`.
+    for _ in 0..3 {
+        engine.record_event(&group_id, None, "resume_failed", "resuming (test) failed: test");
+    }
+    let repeats = ws.outputs()["repeats"]["value"].clone();
+    let repeats = repeats.as_array().unwrap();
+    assert_eq!(repeats.len(), 1, "{repeats:?}");
+    let r = repeats[0].as_str().unwrap();
+    assert!(r.starts_with("resume_failed 3 20"), "{r}");
+    let table = Command::new(bin_dir().join("lbscale"))
+        .args(["events", "--state", "sqlite://.lbscale/state.db", "--group", "ds"])
+        .current_dir(&ws.dir)
+        .output()
+        .unwrap();
+    assert!(table.status.success(), "{}", String::from_utf8_lossy(&table.stderr));
+    let table = String::from_utf8_lossy(&table.stdout);
+    let header = table.lines().next().unwrap();
+    assert!(header.contains("COUNT"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.contains("resume_failed"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains(" 3 (last 20"), "{row}");
     drop(engine);
     ws.destroy();
     ws.assert_nothing_left(&[]);
