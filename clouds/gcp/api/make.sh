@@ -14,6 +14,8 @@ python3 "$here/trim.py" "$src/compute.v1.json" "$here/compute.v1.json" \
     compute.regionOperations.get compute.regionOperations.wait \
     compute.zones.get compute.zones.list compute.regions.get \
     compute.subnetworks.get \
+    compute.firewalls.insert compute.firewalls.get compute.firewalls.list compute.firewalls.patch \
+    compute.firewalls.delete compute.globalOperations.get compute.globalOperations.wait \
     compute.addresses.insert compute.addresses.get compute.addresses.delete compute.addresses.list \
     compute.forwardingRules.insert compute.forwardingRules.get \
     compute.forwardingRules.delete compute.forwardingRules.list compute.forwardingRules.aggregatedList \

@@ -272,6 +272,7 @@ class Fake:
         self.addresses = {}  # (region, name) -> Address
         self.pools = {}  # (region, name) -> TargetPool
         self.rules = {}  # (region, name) -> ForwardingRule
+        self.firewalls = {}  # name -> Firewall
         self.operations = {}  # (scope, name) -> [Operation, due, on_done]
         self.request_ids = {}  # requestId -> (scope, operation name)
         self.zones = {}  # managed zone name -> ManagedZone
@@ -410,6 +411,10 @@ class Fake:
     def op_view(self, base, key):
         op = copy.deepcopy(self.operations[key][0])
         kind, scope, name = key
+        if kind == "global":
+            op.pop("global", None)
+            op["selfLink"] = f"{base}projects/{PROJECT}/global/operations/{name}"
+            return op
         where = "zones" if kind == "zone" else "regions"
         op[kind] = f"{base}projects/{PROJECT}/{where}/{scope}"
         op["selfLink"] = f"{base}projects/{PROJECT}/{where}/{scope}/operations/{name}"
@@ -660,10 +665,10 @@ class Compute:
 
     def op_get(self, kind):
         def get(base, p, q, body, wait=False):
-            scope = p["zone"] if kind == "zone" else p["region"]
+            scope = {"zone": p.get("zone"), "region": p.get("region"), "global": "global"}[kind]
             key = (kind, scope, p["operation"])
             if key not in self.f.operations:
-                where = "zones" if kind == "zone" else "regions"
+                where = {"zone": "zones", "region": "regions", "global": "global"}[kind]
                 raise ApiError(404, "notFound", f"The resource 'projects/{PROJECT}/{where}/{scope}/operations/{p['operation']}' was not found")
             return self.f.op_view(base, key)
         return get
@@ -874,8 +879,77 @@ class Compute:
                         a["status"] = "RESERVED"
         return self.f.operation(base, "region", region, rule["selfLink"], "delete", done, q.get("requestId", [None])[0])
 
+    # firewalls (global)
+
+    def firewall_check(self, body, name):
+        if body.get("direction", "INGRESS") != "INGRESS":
+            raise bad("this fake makes INGRESS rules only")
+        for i, a in enumerate(body.get("allowed", [])):
+            if a.get("IPProtocol") not in ("tcp", "udp", "icmp", "all"):
+                raise bad(f"Invalid value for field 'resource.allowed[{i}].IPProtocol': '{a.get('IPProtocol')}'.")
+            for port in a.get("ports", []):
+                if not re.fullmatch(r"[0-9]{1,5}(-[0-9]{1,5})?", port):
+                    raise bad(f"Invalid value for field 'resource.allowed[{i}].ports': '{port}'.")
+        for r in body.get("sourceRanges", []):
+            try:
+                ipaddress.ip_network(r)
+            except ValueError:
+                raise bad(f"Invalid value for field 'resource.sourceRanges': '{r}'. Must be a CIDR address range.")
+        if not body.get("allowed") and not body.get("denied"):
+            raise bad(f"Invalid value for field 'resource': firewall {name} needs allowed or denied.", "required")
+
+    def firewalls_insert(self, base, p, q, body):
+        name = body["name"]
+        if name in self.f.firewalls:
+            raise ApiError(409, "alreadyExists", f"The resource 'projects/{PROJECT}/global/firewalls/{name}' already exists")
+        self.firewall_check(body, name)
+        network = short(body.get("network", "global/networks/default"))
+        if network != "global/networks/default":
+            raise bad(f"Invalid value for field 'resource.network': '{body.get('network')}'. The network was not found.")
+        rule = dict(body)
+        rule.update({"kind": "compute#firewall", "id": self.f.new_id(), "creationTimestamp": now_rfc3339(),
+                     "network": self.url(base, network), "direction": "INGRESS", "priority": body.get("priority", 1000),
+                     "selfLink": self.url(base, "global/firewalls", name)})
+
+        def done():
+            self.f.firewalls[name] = rule
+        return self.f.operation(base, "global", "global", rule["selfLink"], "insert", done, q.get("requestId", [None])[0])
+
+    def firewall_or_404(self, name):
+        r = self.f.firewalls.get(name)
+        if r is None:
+            raise ApiError(404, "notFound", f"The resource 'projects/{PROJECT}/global/firewalls/{name}' was not found")
+        return r
+
+    def firewalls_get(self, base, p, q, body):
+        return copy.deepcopy(self.firewall_or_404(p["firewall"]))
+
+    def firewalls_list(self, base, p, q, body):
+        return self.page([copy.deepcopy(r) for r in self.f.firewalls.values()], q, "compute#firewallList", base, "global/firewalls")
+
+    def firewalls_patch(self, base, p, q, body):
+        rule = self.firewall_or_404(p["firewall"])
+        merged = dict(rule)
+        merged.update(body)
+        self.firewall_check(merged, p["firewall"])
+
+        def done():
+            rule.update({k: v for k, v in body.items() if k not in ("name", "selfLink", "id")})
+        return self.f.operation(base, "global", "global", rule["selfLink"], "patch", done, q.get("requestId", [None])[0])
+
+    def firewalls_delete(self, base, p, q, body):
+        rule = self.firewall_or_404(p["firewall"])
+
+        def done():
+            self.f.firewalls.pop(p["firewall"], None)
+        return self.f.operation(base, "global", "global", rule["selfLink"], "delete", done, q.get("requestId", [None])[0])
+
     def handlers(self):
         return {
+            "compute.firewalls.insert": self.firewalls_insert, "compute.firewalls.get": self.firewalls_get,
+            "compute.firewalls.list": self.firewalls_list, "compute.firewalls.patch": self.firewalls_patch,
+            "compute.firewalls.delete": self.firewalls_delete,
+            "compute.globalOperations.get": self.op_get("global"), "compute.globalOperations.wait": self.op_get("global"),
             "compute.zones.get": self.zones_get, "compute.zones.list": self.zones_list,
             "compute.regions.get": self.regions_get, "compute.subnetworks.get": self.subnetworks_get,
             "compute.instances.insert": self.instances_insert, "compute.instances.get": self.instances_get,
@@ -1156,6 +1230,7 @@ def make_handler(fake, handlers, metadata):
                     return 200, {
                         "instances": list(fake.instances.values()), "addresses": list(fake.addresses.values()),
                         "targetPools": list(fake.pools.values()), "forwardingRules": list(fake.rules.values()),
+                        "firewalls": list(fake.firewalls.values()),
                         "managedZones": list(fake.zones.values()),
                         "rrsets": {z: list(r.values()) for z, r in fake.records.items()},
                         "faults": fake.faults,

@@ -223,9 +223,12 @@ impl GcpApi {
         let (scope, wait_id) = match (last(&op["zone"]), last(&op["region"])) {
             (Some(z), _) => (format!("zones/{z}"), "compute.zoneOperations.wait"),
             (None, Some(r)) => (format!("regions/{r}"), "compute.regionOperations.wait"),
+            (None, None) if op["kind"] == "compute#operation" => {
+                ("global".to_string(), "compute.globalOperations.wait")
+            }
             _ => {
                 return Err(CloudError::Failed(format!(
-                    "GCP {what}: the answer is not a zonal or regional operation: {}",
+                    "GCP {what}: the answer is not an operation: {}",
                     op.to_string().chars().take(200).collect::<String>()
                 )))
             }

@@ -26,6 +26,7 @@ pub mod credentials;
 mod dns;
 #[cfg(feature = "testing")]
 pub mod fake_testing;
+mod firewall;
 pub mod http;
 mod nlb;
 mod nodes;

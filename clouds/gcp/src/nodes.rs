@@ -129,7 +129,7 @@ fn source_image(image: &str) -> String {
 /// The subnetwork of `node.subnets` for `zone`, as `subnetwork` takes it
 /// (a URL, `projects/P/regions/R/subnetworks/N`, or a name in the zone's
 /// region); None: the default network's.
-fn subnetwork(node: &NodeSpec, zone: &str) -> Option<String> {
+pub(crate) fn subnetwork(node: &NodeSpec, zone: &str) -> Option<String> {
     node.subnet_for(zone).map(|s| {
         if s.contains('/') {
             s.to_string()
@@ -154,10 +154,13 @@ impl GcpCloud {
         }
         labels.insert("lbscale-group".to_string(), label_value(&req.group_id));
         labels.insert("lbscale-node".to_string(), label_value(&req.node_id));
-        // The operator's tags (required at plan time), and lbscale's own per
-        // group, which a firewall rule may target too.
-        let mut network_tags = node.security_groups.clone();
-        network_tags.push(format!("lbscale-{}", label_value(&req.group_id)));
+        // The operator's tags, else the group's own, which the firewall
+        // rules lbscale makes target (see firewall.rs).
+        let network_tags = if node.security_groups.is_empty() {
+            vec![crate::firewall::group_tag(&req.group_id)]
+        } else {
+            node.security_groups.clone()
+        };
         let mut nic =
             json!({"accessConfigs": [{"type": "ONE_TO_ONE_NAT", "name": "External NAT"}]});
         if let Some(s) = subnetwork(node, &req.az) {
@@ -419,17 +422,17 @@ impl Cloud for GcpCloud {
         NODE_API_PORT
     }
 
+    async fn prepare_group(&self, group: &lbscale_engine::cloud::GroupResources) -> Result<()> {
+        self.prepare_firewall(group).await
+    }
+
+    async fn release_group(&self, group_id: &str) -> Result<()> {
+        self.release_firewall(group_id).await
+    }
+
     fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
         if node.image.is_none() {
             return Some("no image for GCP nodes: set node.image in the group (projects/P/global/images/NAME or projects/P/global/images/family/F)".into());
-        }
-        if !node.management_cidrs.is_empty() {
-            return Some("node.management_cidrs is not built on gcp: lbscale makes no firewall rules there yet; give node.security_groups (the network tags that your firewall rules target) instead".into());
-        }
-        // Never nodes with nothing open: lbscale makes no firewall rules on
-        // gcp yet, so the operator's rules and their tags must be named.
-        if node.security_groups.is_empty() {
-            return Some("node.security_groups is required on gcp: lbscale makes no firewall rules there yet; give the network tags that your firewall rules target (they must let lbscale reach port 9990 and the clients reach the vservers' ports)".into());
         }
         None
     }

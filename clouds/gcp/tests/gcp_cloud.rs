@@ -103,10 +103,7 @@ async fn a_node_is_an_instance_started_once_found_by_name_and_deleted() {
     assert_eq!(i["labels"]["lbscale-group"], "g-1");
     assert_eq!(i["labels"]["lbscale-node"], "web-us-central1-b-1");
     assert_eq!(i["labels"]["team"], "web");
-    assert_eq!(
-        i["tags"]["items"],
-        serde_json::json!(["lbscale-nodes", "lbscale-g-1"])
-    );
+    assert_eq!(i["tags"]["items"], serde_json::json!(["lbscale-nodes"]));
     assert_eq!(
         i["serviceAccounts"][0]["email"],
         "nodes@lbscale-test.iam.gserviceaccount.com"
@@ -286,16 +283,6 @@ async fn throttled_and_failed_calls_are_retried_and_refusals_carry_googles_words
     let why = cloud.node_unusable(&NodeSpec::default()).expect("unusable");
     assert!(why.contains("node.image"), "{why}");
     assert_eq!(cloud.node_unusable(&node(IMAGE)), None);
-    // Without network tags nothing would be open to the nodes: refused.
-    let untagged = NodeSpec {
-        security_groups: vec![],
-        ..node(IMAGE)
-    };
-    let why = cloud.node_unusable(&untagged).expect("untagged");
-    assert!(
-        why.contains("node.security_groups is required on gcp"),
-        "{why}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -833,4 +820,102 @@ async fn gcloud_sees_what_the_driver_made_and_writes_what_the_driver_reads() {
         );
     }
     assert_eq!(out.lines().count(), 2, "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_without_network_tags_gets_firewall_rules_of_its_own() {
+    use lbscale_engine::cloud::{GroupResources, Listener, Transport};
+    let fake = GcpFake::start("firewall");
+    let cloud =
+        GcpCloud::new(fake.settings(), DriverStore::new(store("firewall"))).expect("driver");
+    let mut group = GroupResources {
+        group_id: "g-fw".into(),
+        group_name: "fw".into(),
+        availability_zones: vec!["us-central1-a".into(), "us-central1-b".into()],
+        node: NodeSpec {
+            security_groups: vec![],
+            ..node(IMAGE)
+        },
+        listeners: vec![
+            Listener {
+                port: 80,
+                protocol: Transport::Tcp,
+            },
+            Listener {
+                port: 443,
+                protocol: Transport::Tcp,
+            },
+            Listener {
+                port: 53,
+                protocol: Transport::Udp,
+            },
+        ],
+    };
+    let rules = |fake: &GcpFake| -> std::collections::BTreeMap<String, Value> {
+        fake.state()["firewalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["name"].as_str().unwrap().to_string(), r.clone()))
+            .collect()
+    };
+    cloud.prepare_group(&group).await.expect("prepare");
+    let r = rules(&fake);
+    assert_eq!(r.len(), 2, "{r:?}");
+    let serve = &r["lbscale-g-fw-serve"];
+    assert_eq!(
+        serve["allowed"],
+        serde_json::json!([{"IPProtocol": "tcp", "ports": ["80", "443"]}, {"IPProtocol": "udp", "ports": ["53"]}])
+    );
+    assert_eq!(serve["sourceRanges"], serde_json::json!(["0.0.0.0/0"]));
+    assert_eq!(serve["targetTags"], serde_json::json!(["lbscale-g-fw"]));
+    let api = &r["lbscale-g-fw-api"];
+    assert_eq!(
+        api["allowed"],
+        serde_json::json!([{"IPProtocol": "tcp", "ports": [NODE_API_PORT.to_string()]}])
+    );
+    // The node API from the groups' subnetworks only (us-central1's default).
+    assert_eq!(api["sourceRanges"], serde_json::json!(["10.128.0.0/20"]));
+    assert!(count(&fake, "compute.globalOperations.wait", 200) >= 1);
+    // The same again: nothing to do.
+    let inserts = count(&fake, "compute.firewalls.insert", 200);
+    cloud.prepare_group(&group).await.unwrap();
+    assert_eq!(count(&fake, "compute.firewalls.insert", 200), inserts);
+    assert_eq!(count(&fake, "compute.firewalls.patch", 200), 0);
+    // The rules follow the vservers and management_cidrs.
+    group.listeners.retain(|l| l.port == 443);
+    group.node.management_cidrs = vec!["192.0.2.0/24".into()];
+    cloud.prepare_group(&group).await.unwrap();
+    let r = rules(&fake);
+    assert_eq!(
+        r["lbscale-g-fw-serve"]["allowed"],
+        serde_json::json!([{"IPProtocol": "tcp", "ports": ["443"]}])
+    );
+    assert_eq!(
+        r["lbscale-g-fw-api"]["sourceRanges"],
+        serde_json::json!(["192.0.2.0/24"])
+    );
+    // A node of the group carries the tag the rules target.
+    let req = request("fw-1", "g-fw", "us-central1-a", group.node.clone());
+    let p = cloud.provision(&req).await.unwrap();
+    let i = instances(&fake).into_iter().next().unwrap();
+    assert_eq!(i["tags"]["items"], serde_json::json!(["lbscale-g-fw"]));
+    cloud.deprovision(&row(&req, &p)).await.unwrap();
+    // Tags given: lbscale's rules go; and all of them go with the group.
+    group.node.security_groups = vec!["web".into()];
+    group.node.management_cidrs.clear();
+    cloud.prepare_group(&group).await.unwrap();
+    assert!(rules(&fake).is_empty());
+    group.node.security_groups.clear();
+    cloud.prepare_group(&group).await.unwrap();
+    assert_eq!(rules(&fake).len(), 2);
+    cloud.release_group("g-fw").await.expect("release");
+    assert!(rules(&fake).is_empty());
+    cloud.release_group("g-fw").await.expect("release again");
+    let refused: Vec<_> = fake
+        .calls()
+        .into_iter()
+        .filter(|(_, s)| *s == 400)
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
 }
