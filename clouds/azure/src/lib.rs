@@ -27,8 +27,7 @@ mod vm;
 use arm::Arm;
 use credentials::{Choice, Credentials, EnvVars};
 use lbscale_engine::cloud::{
-    Cloud, Distributor, DriverStore, GroupResources, ProvisionRequest, Provisioned, Publication,
-    Result,
+    Cloud, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
 };
 use lbscale_engine::model::{DistributorMode, DistributorSpec, NodeSpec};
 use lbscale_engine::store::NodeRow;
@@ -281,10 +280,6 @@ impl Cloud for AzureCloud {
 
     fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
         self.vm_unusable(node)
-    }
-
-    async fn prepare_group(&self, _group: &GroupResources) -> Result<()> {
-        Ok(())
     }
 }
 
