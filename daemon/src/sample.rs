@@ -121,7 +121,7 @@ pub(crate) async fn sample(
             let call = async {
                 let mut client = match cached {
                     Some(c) => c.client,
-                    None => NodeClient::connect(&ip, port, &token)
+                    None => NodeClient::connect(&ip, port, &id, &token)
                         .await
                         .map_err(|e| e.to_string())?,
                 };

@@ -7,7 +7,9 @@ pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
 use std::time::Duration;
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+pub mod auth;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -38,28 +40,48 @@ impl tonic::service::Interceptor for BearerToken {
     }
 }
 
-/// A connection to one node's management API, authenticated with the group's token.
+/// A connection to one node's management API: over TLS, the node proving it
+/// is node `node_id` of the group (a certificate of the group's CA for
+/// [`auth::node_name`]), the engine showing a client certificate of that CA,
+/// and every call carrying the node's own token (docs/security.md).
 pub struct NodeClient {
     addr: String,
     inner: NodeApiClient<Authed>,
 }
 
 impl NodeClient {
-    pub async fn connect(ip: &str, port: u16, token: &str) -> Result<NodeClient, NodeApiError> {
+    /// Dials `ip` (the private address that the cloud gave node `node_id`) for
+    /// node `node_id` of the group whose secret is `group_secret`.
+    pub async fn connect(
+        ip: &str,
+        port: u16,
+        node_id: &str,
+        group_secret: &str,
+    ) -> Result<NodeClient, NodeApiError> {
         let addr = format!("{ip}:{port}");
         let unreachable = |detail: String| NodeApiError::Unreachable {
             addr: addr.clone(),
             detail,
         };
-        let channel = Channel::from_shared(format!("http://{addr}"))
+        let ca = auth::GroupCa::derive(group_secret).map_err(&unreachable)?;
+        let (cert, key) = ca.issue_engine().map_err(&unreachable)?;
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca.cert_pem()))
+            .identity(Identity::from_pem(cert, key))
+            .domain_name(auth::node_name(node_id));
+        let channel = Channel::from_shared(format!("https://{addr}"))
             .map_err(|e| unreachable(e.to_string()))?
+            .tls_config(tls)
+            .map_err(|e| unreachable(chain(&e)))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(CALL_TIMEOUT)
             .connect()
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| {
+                unreachable(format!("{} (expected node {node_id}'s certificate)", chain(&e)))
+            })?;
         // The token is hex, so it is always valid ASCII metadata; never log it.
-        let value: MetadataValue<_> = format!("Bearer {token}")
+        let value: MetadataValue<_> = format!("Bearer {}", auth::node_token(group_secret, node_id))
             .parse()
             .map_err(|_| unreachable("token is not printable ASCII".into()))?;
         Ok(NodeClient {
@@ -119,4 +141,17 @@ impl NodeClient {
             Err(s) => Err(self.refused("GetStats", s)),
         }
     }
+}
+
+/// An error with its causes: tonic's transport error says only "transport
+/// error", the reason (a certificate refused, say) is in its sources.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }

@@ -11,7 +11,8 @@
 //!   one group at the same time: they hold the group's lease (`acquire_lease`),
 //!   whose fencing token increases with every new holder.
 //! - A SQLite file is created readable by its owner only: it holds the groups'
-//!   node API tokens (with PostgreSQL, the database's own access control does).
+//!   secrets, from which their node API credentials derive (docs/security.md;
+//!   with PostgreSQL, the database's own access control does).
 //!   A PostgreSQL URL's password never appears in a message.
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
@@ -1047,7 +1048,8 @@ impl Store {
         })
         .transpose()
     }
-    /// The group's node API token. Sensitive: never log or print it.
+    /// The group's secret: its CA and every node's token derive from it
+    /// (`nodeapi::auth`). Sensitive: never log or print it.
     pub fn group_token(&self, group_id: &str) -> Result<Option<String>> {
         self.with(|c| {
             c.one(

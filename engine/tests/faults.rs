@@ -14,6 +14,7 @@ use lbscale_engine::model::{
 };
 use lbscale_engine::store::NodeState;
 use lbscale_engine::{Engine, EngineError};
+use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest,
@@ -844,17 +845,27 @@ struct StandInNode {
 }
 
 impl StandInNode {
-    /// Serves on `ip` at the nodes' API port; returns once it listens.
-    async fn start(ip: &str, port: u16, refusals: usize, stall: bool) -> StandInNode {
-        let node = StandInNode {
+    fn new(refusals: usize, stall: bool) -> StandInNode {
+        StandInNode {
             refusals,
             stall,
             calls: Arc::default(),
-        };
+        }
+    }
+
+    /// Serves on `ip` at the nodes' API port with node `c`'s credentials (the
+    /// engine takes no other node for it); returns once it listens.
+    async fn serve(&self, ip: &str, port: u16, c: &NodeCredentials) {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
         let addr: std::net::SocketAddr = format!("{ip}:{port}").parse().unwrap();
-        let service = NodeApiServer::new(node.clone());
+        let service = NodeApiServer::new(self.clone());
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&c.cert_pem, &c.key_pem))
+            .client_ca_root(Certificate::from_pem(&c.ca_pem));
         tokio::spawn(
             tonic::transport::Server::builder()
+                .tls_config(tls)
+                .unwrap()
                 .add_service(service)
                 .serve(addr),
         );
@@ -866,7 +877,6 @@ impl StandInNode {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        node
     }
 
     async fn answer(&self) -> Result<u64, tonic::Status> {
@@ -917,12 +927,17 @@ struct DrainSeen {
     reason: String,
 }
 
-/// Scales out to two nodes, points the newest one's row at `ip` (a stand-in
-/// API, or nothing), and scales in: the real node process still runs, so the
-/// cloud says the node is there while its API fails.
-async fn scale_in_through(s: &Stack, ip: &str) -> DrainSeen {
+/// Scales out to two nodes, points the newest one's row at `ip` (where
+/// `api` serves as that node, or nothing), and scales in: the real node
+/// process still runs, so the cloud says the node is there while its API fails.
+async fn scale_in_through(s: &Stack, ip: &str, api: Option<&StandInNode>) -> DrainSeen {
     s.engine.scale_out(&s.group, "az1", "test").await.unwrap();
     let mut newest = s.rows().into_iter().max_by_key(|n| n.seq).unwrap();
+    if let Some(api) = api {
+        let secret = s.engine.group_token(&s.group).unwrap();
+        api.serve(ip, 9990, &node_credentials(&secret, &newest.id).unwrap())
+            .await;
+    }
     newest.private_ip = ip.into();
     s.engine.testing_store().update_node(&newest).unwrap();
     let gone = s
@@ -953,8 +968,8 @@ const DRAIN_MS: i64 = 990;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_node_whose_connections_query_fails_is_drained_until_the_deadline() {
     let s = Stack::up("flt_drain_refused", "127.98.").await;
-    let api = StandInNode::start("127.98.250.2", 9990, usize::MAX, false).await;
-    let seen = scale_in_through(&s, "127.98.250.2").await;
+    let api = StandInNode::new(usize::MAX, false);
+    let seen = scale_in_through(&s, "127.98.250.2", Some(&api)).await;
     assert!(
         seen.after_ttl_ms >= DRAIN_MS,
         "deprovisioned {} ms into a 1 s drain whose connections were unknown",
@@ -973,7 +988,7 @@ async fn a_node_whose_connections_query_fails_is_drained_until_the_deadline() {
 async fn a_node_whose_api_cannot_be_reached_is_drained_until_the_deadline() {
     let s = Stack::up("flt_drain_unreachable", "127.99.").await;
     // Nothing listens there: every connection is refused.
-    let seen = scale_in_through(&s, "127.99.250.2").await;
+    let seen = scale_in_through(&s, "127.99.250.2", None).await;
     assert!(
         seen.after_ttl_ms >= DRAIN_MS,
         "deprovisioned {} ms into a 1 s drain whose node could not be reached",
@@ -989,8 +1004,8 @@ async fn a_node_whose_api_cannot_be_reached_is_drained_until_the_deadline() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_node_that_does_not_answer_is_drained_until_the_deadline_and_no_longer() {
     let s = Stack::up("flt_drain_stalled", "127.76.").await;
-    StandInNode::start("127.76.250.2", 9990, 0, true).await;
-    let seen = scale_in_through(&s, "127.76.250.2").await;
+    let api = StandInNode::new(0, true);
+    let seen = scale_in_through(&s, "127.76.250.2", Some(&api)).await;
     assert!(seen.after_ttl_ms >= DRAIN_MS, "{}", seen.after_ttl_ms);
     // Each call is bounded by the drain deadline, not by the API client's
     // own 10 s call timeout.
@@ -1009,8 +1024,8 @@ async fn a_node_that_does_not_answer_is_drained_until_the_deadline_and_no_longer
 #[tokio::test(flavor = "multi_thread")]
 async fn a_drain_whose_connections_are_read_after_an_error_ends_as_drained() {
     let s = Stack::up("flt_drain_recovers", "127.75.").await;
-    let api = StandInNode::start("127.75.250.2", 9990, 1, false).await;
-    let seen = scale_in_through(&s, "127.75.250.2").await;
+    let api = StandInNode::new(1, false);
+    let seen = scale_in_through(&s, "127.75.250.2", Some(&api)).await;
     assert!(seen.reason.ends_with(" drained"), "{}", seen.reason);
     assert!(api.calls.load(Ordering::SeqCst) >= 2);
 }

@@ -1,6 +1,9 @@
-//! gRPC management API (`NodeApi`) with bearer-token authentication.
+//! gRPC management API (`NodeApi`) over TLS with the engine's client
+//! certificate, a bearer token of this node's own, and calls made to this
+//! node's private address only (docs/security.md).
 
 use sha2::Digest;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,19 +16,37 @@ use tonic::{Request, Response, Status};
 use crate::bounds::{accept, Backoff};
 use crate::node::Node;
 
-/// The management API's connections. An accept error (no descriptor left)
-/// is logged and waited out: the API never stops listening, where tonic's own
-/// listener ends the server on it.
+/// How long a client gets to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+type ApiStream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+/// The management API's connections, TLS done. An accept error (no descriptor
+/// left) is logged and waited out, and a failed or stalled handshake ends that
+/// connection only: the API never stops listening, where tonic's own listener
+/// ends the server on either.
 pub fn incoming(
     listener: tokio::net::TcpListener,
-) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>> {
+    tls: rustls::ServerConfig,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<ApiStream>> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         let mut backoff = Backoff::default();
         loop {
-            let (s, _) = accept(&listener, &mut backoff, "api").await;
+            let (s, peer) = accept(&listener, &mut backoff, "api").await;
             let _ = s.set_nodelay(true);
-            if tx.send(Ok(s)).await.is_err() {
+            let (acceptor, conns) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(s)).await {
+                    Ok(Ok(s)) => {
+                        let _ = conns.send(Ok(s)).await;
+                    }
+                    Ok(Err(e)) => tracing::warn!(%peer, error = %e, "api: TLS handshake refused"),
+                    Err(_) => tracing::warn!(%peer, "api: TLS handshake not done within {HANDSHAKE_TIMEOUT:?}"),
+                }
+            });
+            if tx.is_closed() {
                 return;
             }
         }
@@ -121,11 +142,23 @@ impl ExpectedToken {
     }
 }
 
+/// Accepts a call made to `address` (the node's private address: its token
+/// is bound to it) that carries this node's token.
 #[allow(clippy::result_large_err)] // tonic's interceptor signature
 pub fn interceptor(
     expected: ExpectedToken,
+    address: IpAddr,
 ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Send + Sync + Clone + 'static {
     move |req: Request<()>| {
+        match req.local_addr() {
+            Some(a) if a.ip() == address => {}
+            to => {
+                return Err(Status::permission_denied(format!(
+                    "this node's API answers calls made to its private address {address} only, not to {}",
+                    to.map_or("an unknown address".into(), |a| a.ip().to_string())
+                )))
+            }
+        }
         let ok = req
             .metadata()
             .get(AUTH_HEADER)

@@ -2,6 +2,7 @@
 //! cloud's DNS and L4 (nlb) traffic distributors.
 
 mod api;
+mod api_tls;
 mod bounds;
 mod clock;
 mod dial;
@@ -34,20 +35,26 @@ mod module_graph_tests;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 
 const USAGE: &str = "\
 usage:
-  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH [--stats instance|process] [--memory-limit-mb N] [NODE OPTIONS]
+  lbscale-node serve --node-id ID --listen-ip IP --api-port PORT --token-file PATH --tls-ca PATH --tls-cert PATH --tls-key PATH [--api-address IP] [--stats instance|process] [--memory-limit-mb N] [NODE OPTIONS]
   lbscale-node dns --listen IP:PORT --config FILE --status FILE
   lbscale-node nlb --config FILE --status FILE
   lbscale-node standalone --listen IP:PORT --mode http|tcp|udp --lb-method METHOD --service HOST:PORT[,WEIGHT] [--service ...] [--persistence NONE|COOKIE|SOURCEIP] [NODE OPTIONS]
 
-serve's --token-file holds the management API's bearer token, or sha256:HEX, the
-SHA-256 of the token (64 hex digits), so that the file need not hold the secret.
+serve's management API listens on --listen-ip, port --api-port, over TLS only:
+  --token-file PATH  this node's bearer token, or sha256:HEX, the SHA-256 of the
+                     token (64 hex digits), so that the file need not hold the secret
+  --tls-ca PATH      the group CA's certificate (PEM): a client must show a client
+                     certificate that it issued (the engine's)
+  --tls-cert PATH    this node's certificate (PEM), --tls-key PATH its private key
+  --api-address IP   this node's private address: a call made to any other address
+                     is refused (default --listen-ip; needed when that is 0.0.0.0 or ::)
 
 serve's --stats says whose CPU and memory GetStats reports, each the mean over
 the window the caller asks for (the group's stats interval):
@@ -259,16 +266,28 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     }
     let token = api::ExpectedToken::parse(&token)
         .map_err(|e| anyhow!("token file {}: {e}", token_file.display()))?;
+    let api_address: IpAddr = match a.get("api-address") {
+        Ok(v) => v.parse().context("--api-address must be an IP address")?,
+        Err(_) if ip.is_unspecified() => bail!(
+            "--api-address is needed when --listen-ip is {ip}: the node's private address, the only one its API answers at"
+        ),
+        Err(_) => ip,
+    };
+    let tls = api_tls::server_config(
+        Path::new(a.get("tls-ca")?),
+        Path::new(a.get("tls-cert")?),
+        Path::new(a.get("tls-key")?),
+    )?;
     let node = node::Node::new(node_id.clone(), ip, stats_source, node_opts(&a)?);
     start_custom_loads(&a, &node);
     let addr = SocketAddr::new(ip, api_port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let incoming = api::incoming(listener);
+    let incoming = api::incoming(listener, tls);
     let svc = lbscale_proto::node_api_server::NodeApiServer::with_interceptor(
         api::Api { node: node.clone() },
-        api::interceptor(token),
+        api::interceptor(token, api_address),
     );
     tracing::info!(node_id = %node_id, api = %addr, "node API listening");
     let stop = shutdown_signal();
@@ -382,6 +401,10 @@ fn parse_args(cmd: &str, rest: &[String]) -> anyhow::Result<Args> {
                     "listen-ip",
                     "api-port",
                     "token-file",
+                    "tls-ca",
+                    "tls-cert",
+                    "tls-key",
+                    "api-address",
                     "memory-limit-mb",
                     "stats",
                 ][..],

@@ -21,8 +21,7 @@ use tokio::net::{TcpStream, UdpSocket};
 /// limit (soft and hard) at `nofile`.
 fn start_limited(name: &str, ip: &str, nofile: u64, extra: &[&str]) -> (Proc, std::path::PathBuf) {
     let dir = tmpdir(name);
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, TOKEN).unwrap();
+    let files = api_files(&dir, API_NODE, None);
     let log = std::fs::File::create(dir.join("node.log")).unwrap();
     let mut cmd = Command::new(BIN);
     cmd.args([
@@ -33,11 +32,10 @@ fn start_limited(name: &str, ip: &str, nofile: u64, extra: &[&str]) -> (Proc, st
         ip,
         "--api-port",
         "7070",
-        "--token-file",
-        token_file.to_str().unwrap(),
         "--memory-limit-mb",
         "512",
     ])
+    .args(&files)
     .args(extra)
     .stdin(Stdio::null())
     .stdout(Stdio::piped())

@@ -6,20 +6,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use lbscale_proto::node_api_client::NodeApiClient;
 use lbscale_proto::{
-    DrainRequest, LbMethod, NodeConfig, Service, ServiceType, StatsRequest, Vserver, AUTH_HEADER,
+    DrainRequest, LbMethod, NodeConfig, Service, ServiceType, StatsRequest, Vserver,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tonic::metadata::MetadataValue;
-use tonic::transport::Channel;
 
 const TOKEN: &str = "s3cret-token-value";
-
-type AddToken =
-    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
-type Client = NodeApiClient<tonic::service::interceptor::InterceptedService<Channel, AddToken>>;
 
 struct TestNode {
     proc: Proc,
@@ -34,51 +27,31 @@ fn start_node(name: &str, ip: &str) -> TestNode {
 /// A node whose token file holds `content` (the token, or `sha256:HEX`).
 fn start_node_with_token_file(name: &str, ip: &str, content: &str) -> TestNode {
     let dir = tmpdir(name);
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, content).unwrap();
+    let files = api_files(&dir, API_NODE, Some(content));
     let port = "7070";
-    let mut proc = Proc::spawn(
+    let mut args = vec![
+        "serve",
+        "--node-id",
         name,
-        &[
-            "serve",
-            "--node-id",
-            name,
-            "--listen-ip",
-            ip,
-            "--api-port",
-            port,
-            "--token-file",
-            token_file.to_str().unwrap(),
-            "--memory-limit-mb",
-            "512",
-        ],
-        &dir.join("node.log"),
-    );
+        "--listen-ip",
+        ip,
+        "--api-port",
+        port,
+        "--memory-limit-mb",
+        "512",
+    ];
+    args.extend(files.iter().map(String::as_str));
+    let mut proc = Proc::spawn(name, &args, &dir.join("node.log"));
     proc.wait_ready(Duration::from_secs(10));
     TestNode {
         proc,
-        api: format!("http://{ip}:{port}"),
+        api: format!("{ip}:{port}"),
         dir,
     }
 }
 
 async fn client_with(api: &str, token: Option<&str>) -> Client {
-    let ch = tokio::time::timeout(
-        Duration::from_secs(5),
-        Channel::from_shared(api.to_string()).unwrap().connect(),
-    )
-    .await
-    .expect("connect to node API within 5 s")
-    .expect("connect to node API");
-    let hv: Option<MetadataValue<_>> = token.map(|t| format!("Bearer {t}").parse().unwrap());
-    #[allow(clippy::result_large_err)]
-    let f: AddToken = Box::new(move |mut r: tonic::Request<()>| {
-        if let Some(hv) = &hv {
-            r.metadata_mut().insert(AUTH_HEADER, hv.clone());
-        }
-        Ok(r)
-    });
-    NodeApiClient::with_interceptor(ch, f)
+    api_client_with(api, API_NODE, token).await
 }
 
 async fn client(node: &TestNode) -> Client {

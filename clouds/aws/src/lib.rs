@@ -600,22 +600,47 @@ fn zone_for<'z>(
         .max_by_key(|(_, name, _)| name.trim_end_matches('.').len())
 }
 
-/// The shell script that an instance runs at boot (its user data): the token
-/// file and `lbscale-node serve` on the node API port. User data is readable
-/// by whoever may describe the instance, so the file holds the token's SHA-256
-/// (which the node checks the presented token against), never the token.
+/// The node's user data: a shell script that writes the management API's files
+/// under /etc/lbscale (mode 0600) and runs `lbscale-node serve` with them.
+/// User data is readable by whoever may describe the instance and by every
+/// process on it that reaches the instance metadata (docs/security.md): it holds
+/// the node's token's SHA-256 (which the node checks the presented token
+/// against), never the token; the group CA's certificate; and the node's own
+/// certificate and key, which prove only that node's name. The node's API
+/// answers at its private address only, read from the instance metadata
+/// (IMDSv2) at boot; without it the node does not start.
 fn bootstrap(req: &ProvisionRequest) -> String {
+    let c = &req.credentials;
+    let file = |name: &str, content: &str| {
+        // PEM and `sha256:HEX` hold no quote, so a quoted here-document keeps them as they are.
+        format!(
+            "cat > /etc/lbscale/{name} <<'LBSCALE_END'\n{}\nLBSCALE_END\n",
+            content.trim_end()
+        )
+    };
     format!(
         "#!/bin/sh\n\
          # lbscale node {node}: written by lbscale's aws driver.\n\
          set -e\n\
          umask 077\n\
          mkdir -p /etc/lbscale\n\
-         printf '%s' 'sha256:{token_hash}' > /etc/lbscale/token\n\
-         exec lbscale-node serve --node-id {node} --listen-ip 0.0.0.0 --api-port {port} \
-         --token-file /etc/lbscale/token --memory-limit-mb {mem}\n",
+         {token}{ca}{cert}{key}\
+         imds=http://169.254.169.254/latest\n\
+         ip=\n\
+         for i in 1 2 3 4 5 6 7 8 9 10; do\n\
+         t=$(curl -sf -m 2 -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 60' $imds/api/token) && \
+         ip=$(curl -sf -m 2 -H \"X-aws-ec2-metadata-token: $t\" $imds/meta-data/local-ipv4) && break\n\
+         sleep 1\n\
+         done\n\
+         [ -n \"$ip\" ] || {{ echo 'lbscale: no private address from the instance metadata' >&2; exit 1; }}\n\
+         exec lbscale-node serve --node-id {node} --listen-ip 0.0.0.0 --api-address \"$ip\" --api-port {port} \
+         --token-file /etc/lbscale/token --tls-ca /etc/lbscale/ca.pem --tls-cert /etc/lbscale/node.pem \
+         --tls-key /etc/lbscale/node-key.pem --memory-limit-mb {mem}\n",
         node = req.node_id,
-        token_hash = sigv4::sha256_hex(req.token.as_bytes()),
+        token = file("token", &c.token_file),
+        ca = file("ca.pem", &c.ca_pem),
+        cert = file("node.pem", &c.cert_pem),
+        key = file("node-key.pem", &c.key_pem),
         port = NODE_API_PORT,
         mem = req.memory_limit_mb,
     )

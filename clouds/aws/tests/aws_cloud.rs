@@ -8,6 +8,7 @@ use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, P
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
 };
+use lbscale_engine::nodeapi::auth;
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use serde_json::Value;
 use std::sync::Arc;
@@ -36,9 +37,11 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
     };
     let store = store("node");
     let cloud = AwsCloud::new(node_settings(&moto), DriverStore::new(store)).expect("driver");
-    let token = "node-api-token-value-0123456789".to_string();
+    let secret = "node-api-group-secret-0123456789".to_string();
+    let node_id = unique("n");
     let req = ProvisionRequest {
-        node_id: unique("n"),
+        credentials: auth::node_credentials(&secret, &node_id).unwrap(),
+        node_id,
         group_id: "g-aws".into(),
         group_name: "g-aws".into(),
         az: "us-east-1b".into(),
@@ -47,7 +50,6 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
             memory_limit_mb: 512,
             ..NodeSpec::default()
         },
-        token: token.clone(),
     };
     let p = cloud.provision(&req).await.expect("provision");
     let id = p.handle["instance_id"]
@@ -84,8 +86,25 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
             "tag {k}={v} in {tags}"
         );
     }
-    // The user data starts the node and holds the token's hash, not the token.
+    // The user data starts the node with its API's files: the token's hash,
+    // not the token (nor the group secret); the group CA's certificate; the
+    // node's certificate and key. Its API answers at the private address only.
     let script = moto.user_data(&id);
+    let token = auth::node_token(&secret, &req.node_id);
+    assert!(
+        !script.contains(&secret),
+        "the group secret is in the user data"
+    );
+    for part in [
+        &req.credentials.token_file,
+        &req.credentials.ca_pem,
+        &req.credentials.cert_pem,
+        &req.credentials.key_pem,
+    ] {
+        assert!(script.contains(part.trim_end()), "{script}");
+    }
+    assert!(script.contains("--api-address \"$ip\""), "{script}");
+    assert!(script.contains("meta-data/local-ipv4"), "{script}");
     assert!(script.contains("lbscale-node serve"), "{script}");
     assert!(
         script.contains(&format!("--api-port {NODE_API_PORT}")),
@@ -187,7 +206,7 @@ async fn errors_name_the_call_and_the_missing_setting() {
             memory_limit_mb: 64,
             ..NodeSpec::default()
         },
-        token: "t".into(),
+        credentials: auth::node_credentials("t", "bad").unwrap(),
     };
     let e = AwsCloud::new(node_settings(&moto), DriverStore::new(store("errors")))
         .unwrap()

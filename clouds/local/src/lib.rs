@@ -6,8 +6,9 @@
 //! `lbscale-node dns` and `lbscale-node nlb` processes that read a JSON file the
 //! engine writes atomically and acknowledge each version in a status file.
 //!
-//! Files live under `<store dir>/local/`: per node its token file (mode 0600) and
-//! log, per distributor its config, status and log.
+//! Files live under `<store dir>/local/`: per node its management API's files
+//! (token hash, CA certificate, its certificate and key; mode 0600) and log,
+//! per distributor its config, status and log.
 
 use lbscale_engine::cloud::{
     Balance, Cloud, CloudError, Distributor, DriverStore, ProvisionRequest, Provisioned,
@@ -229,10 +230,21 @@ impl Cloud for LocalCloud {
         let ip = self.reserve(&req.node_id, port)?;
         let dir = self.node_dir(&req.node_id);
         std::fs::create_dir_all(&dir).map_err(|e| fail("create the node directory", &dir, e))?;
-        let token_file = dir.join("token");
-        write_private(&token_file, req.token.as_bytes())
-            .map_err(|e| fail("write the token file", &token_file, e))?;
-        let args: Vec<String> = vec![
+        // What a cloud's boot configuration gives a node: its API's files.
+        let c = &req.credentials;
+        let mut api_files = Vec::new();
+        for (option, name, content) in [
+            ("--token-file", "token", &c.token_file),
+            ("--tls-ca", "ca.pem", &c.ca_pem),
+            ("--tls-cert", "node.pem", &c.cert_pem),
+            ("--tls-key", "node-key.pem", &c.key_pem),
+        ] {
+            let path = dir.join(name);
+            write_private(&path, content.as_bytes())
+                .map_err(|e| fail("write the node API's files", &path, e))?;
+            api_files.extend([option.to_string(), path.display().to_string()]);
+        }
+        let mut args: Vec<String> = vec![
             "serve".into(),
             "--node-id".into(),
             req.node_id.clone(),
@@ -240,14 +252,13 @@ impl Cloud for LocalCloud {
             ip.clone(),
             "--api-port".into(),
             port.to_string(),
-            "--token-file".into(),
-            token_file.display().to_string(),
             "--memory-limit-mb".into(),
             req.memory_limit_mb.to_string(),
             // Many nodes share this machine: each reports its own process.
             "--stats".into(),
             "process".into(),
         ];
+        args.extend(api_files);
         let mark = Mark::node(&req.node_id);
         let process = process::spawn_detached(&bin, &args, &dir.join("node.log"), &mark)?;
         // The process exists now: wait for its API socket (a VM that has booted).
@@ -309,7 +320,7 @@ impl Cloud for LocalCloud {
             }
         }
         // Without a stored handle, the directory is where provision makes it:
-        // it holds the group's token, which must not outlive the node.
+        // it holds the node's key, which must not outlive the node.
         let dir = if h.dir.as_os_str().is_empty() {
             self.node_dir(&node.id)
         } else {

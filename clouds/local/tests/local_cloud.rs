@@ -4,7 +4,7 @@
 use lbscale_cloud_local::{LocalCloud, LocalSettings};
 use lbscale_engine::cloud::{Cloud, DriverStore, ProvisionRequest};
 use lbscale_engine::model::NodeSpec;
-use lbscale_engine::nodeapi::NodeClient;
+use lbscale_engine::nodeapi::{auth, NodeClient};
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,9 +35,11 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
         ..LocalSettings::default()
     };
     let cloud = LocalCloud::new(settings, DriverStore::new(store.clone()));
-    let token = "0123456789abcdef".repeat(4);
+    let secret = "0123456789abcdef".repeat(4);
+    let node_id = format!("t-az1-1-{}", std::process::id());
     let req = ProvisionRequest {
-        node_id: format!("t-az1-1-{}", std::process::id()),
+        credentials: auth::node_credentials(&secret, &node_id).unwrap(),
+        node_id,
         group_id: "g".into(),
         group_name: "g".into(),
         az: "az1".into(),
@@ -46,7 +48,6 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
             memory_limit_mb: 256,
             ..NodeSpec::default()
         },
-        token: token.clone(),
     };
     let p = cloud.provision(&req).await.expect("provision");
     assert!(p.private_ip.starts_with("127.61."), "{}", p.private_ip);
@@ -65,16 +66,23 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
     assert!(cloud.is_alive(&row).await.unwrap());
     let pid = p.handle["pid"].as_u64().unwrap() as u32;
 
-    let mut client = NodeClient::connect(&p.private_ip, p.api_port, &token)
+    let mut client = NodeClient::connect(&p.private_ip, p.api_port, &req.node_id, &secret)
         .await
         .unwrap();
     let stats = client.stats().await.unwrap();
     assert_eq!(stats.node_id, req.node_id);
-    let mut wrong = NodeClient::connect(&p.private_ip, p.api_port, "not-the-token")
-        .await
-        .unwrap();
-    let err = wrong.stats().await.unwrap_err().to_string();
-    assert!(err.contains("Unauthenticated"), "{err}");
+    // Another group's engine (another CA) does not take the node for its own,
+    // nor does this engine take it for another node of the group.
+    for (node, secret) in [
+        (req.node_id.as_str(), "f".repeat(64)),
+        ("t-az1-2-x", secret.clone()),
+    ] {
+        let err = match NodeClient::connect(&p.private_ip, p.api_port, node, &secret).await {
+            Ok(_) => panic!("{node} under {secret:.4}…: the node's certificate was taken"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains("certificate"), "{err}");
+    }
 
     cloud.deprovision(&row).await.unwrap();
     assert!(!running(pid));
@@ -124,7 +132,7 @@ fn request(id: &str) -> ProvisionRequest {
             memory_limit_mb: 256,
             ..NodeSpec::default()
         },
-        token: "0123456789abcdef".repeat(4),
+        credentials: auth::node_credentials(&"0123456789abcdef".repeat(4), id).unwrap(),
     }
 }
 
@@ -279,26 +287,31 @@ async fn a_recorded_pid_that_now_names_another_node_process_is_not_killed() {
     // ...and its pid is taken by a process that is the same program with the
     // same `--node-id`, started later by someone else. (The kernel hands out
     // pids in order, so the recorded pid is made to name it.)
-    let token = dir.join("impostor-token");
-    std::fs::write(&token, "0123456789abcdef".repeat(4)).unwrap();
+    let c = auth::node_credentials(&"0123456789abcdef".repeat(4), &id).unwrap();
+    let mut api_files = Vec::new();
+    for (option, name, content) in [
+        ("--token-file", "impostor-token", &c.token_file),
+        ("--tls-ca", "impostor-ca.pem", &c.ca_pem),
+        ("--tls-cert", "impostor.pem", &c.cert_pem),
+        ("--tls-key", "impostor-key.pem", &c.key_pem),
+    ] {
+        std::fs::write(dir.join(name), content).unwrap();
+        api_files.extend([option.to_string(), dir.join(name).display().to_string()]);
+    }
     let bin = node_binary().display().to_string();
-    let mut impostor = start(
-        &bin,
-        &[
-            "serve",
-            "--node-id",
-            &id,
-            "--listen-ip",
-            "127.64.250.9",
-            "--api-port",
-            "9990",
-            "--token-file",
-            &token.display().to_string(),
-            "--memory-limit-mb",
-            "64",
-        ],
+    let mut args = vec![
+        "serve",
+        "--node-id",
         &id,
-    );
+        "--listen-ip",
+        "127.64.250.9",
+        "--api-port",
+        "9990",
+        "--memory-limit-mb",
+        "64",
+    ];
+    args.extend(api_files.iter().map(String::as_str));
+    let mut impostor = start(&bin, &args, &id);
     let mut handle = node.handle.clone();
     handle["pid"] = impostor.id().into();
     let recorded = row(&id, &node.private_ip, handle.clone());

@@ -261,8 +261,9 @@ pub struct ProvisionRequest {
     /// The group's whole `node` block (its defaults when it has none): the
     /// driver takes what its cloud supports (docs/resources/autoscale_group.md).
     pub node: NodeSpec,
-    /// The group's node API token (sensitive).
-    pub token: String,
+    /// What the node is given for its management API: its token's hash, the
+    /// group CA's certificate, its own certificate and key (docs/security.md).
+    pub credentials: crate::nodeapi::auth::NodeCredentials,
 }
 
 /// What a driver needs to keep a group's own cloud resources (the aws

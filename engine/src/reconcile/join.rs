@@ -197,7 +197,7 @@ impl Engine {
         let mut last = String::new();
         while Instant::now() < deadline {
             let attempt = async {
-                let mut c = NodeClient::connect(&n.private_ip, port, token).await?;
+                let mut c = NodeClient::connect(&n.private_ip, port, &n.id, token).await?;
                 c.configure(config.clone()).await
             };
             match attempt.await {

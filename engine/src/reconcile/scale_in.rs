@@ -209,6 +209,7 @@ impl Engine {
         let mut api = DrainingNode {
             ip: &n.private_ip,
             port: cloud.api_port(n),
+            node_id: &n.id,
             token,
             client: None,
             told: false,
@@ -321,6 +322,7 @@ impl std::fmt::Display for Drained {
 struct DrainingNode<'a> {
     ip: &'a str,
     port: u16,
+    node_id: &'a str,
     token: &'a str,
     client: Option<NodeClient>,
     /// Whether the node has acknowledged the drain request.
@@ -341,7 +343,7 @@ impl DrainingNode<'_> {
             // (this one may be what is broken).
             let mut client = match self.client.take() {
                 Some(c) => c,
-                None => NodeClient::connect(self.ip, self.port, self.token)
+                None => NodeClient::connect(self.ip, self.port, self.node_id, self.token)
                     .await
                     .map_err(|e| e.to_string())?,
             };

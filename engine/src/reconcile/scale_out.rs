@@ -92,6 +92,12 @@ impl Engine {
         let cloud = self.cloud(spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
         let node_id = format!("{}-{}-{}-{:04x}", spec.name, az, seq, rand::random::<u16>());
+        let credentials = crate::nodeapi::auth::node_credentials(token, &node_id).map_err(
+            |detail| EngineError::Step {
+                step: "issue the node's credentials",
+                detail,
+            },
+        )?;
         // The row exists before the side effect, so that a crash never forgets a node.
         let mut row = NodeRow {
             id: node_id.clone(),
@@ -122,7 +128,7 @@ impl Engine {
             az: az.to_string(),
             memory_limit_mb: spec.memory_limit_mb(),
             node: spec.node_spec(),
-            token: token.to_string(),
+            credentials,
         };
         // Not cut short by the apply deadline: a node that exists must be recorded,
         // or it would be orphaned. The driver bounds its own start-up wait.

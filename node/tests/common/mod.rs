@@ -359,7 +359,81 @@ pub async fn udp_echo(addr: &str, name: &'static str) -> tokio::task::JoinHandle
 
 // --- `serve` and its gRPC API -------------------------------------------------
 
-pub const TOKEN: &str = "test-node-token";
+/// The group secret and the node whose credentials, issued as the engine
+/// issues them, every test node's API gets.
+pub const SECRET: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+pub const API_NODE: &str = "node-under-test";
+
+/// Writes node `node`'s API files (the token file holding `token_file`, or the
+/// hash of its token) into `dir`; returns `serve`'s options for them.
+pub fn api_files(dir: &Path, node: &str, token_file: Option<&str>) -> Vec<String> {
+    let c = lbscale_engine::nodeapi::auth::node_credentials(SECRET, node).unwrap();
+    let mut args = Vec::new();
+    for (option, name, content) in [
+        ("--token-file", "token", token_file.unwrap_or(&c.token_file)),
+        ("--tls-ca", "ca.pem", &c.ca_pem),
+        ("--tls-cert", "node.pem", &c.cert_pem),
+        ("--tls-key", "node-key.pem", &c.key_pem),
+    ] {
+        std::fs::write(dir.join(name), content).unwrap();
+        args.extend([option.to_string(), dir.join(name).display().to_string()]);
+    }
+    args
+}
+
+/// A TLS channel to the API at `addr` (IP:PORT) that expects node `node`'s
+/// certificate and shows `client` (certificate and key PEM), if any.
+pub async fn api_channel(
+    addr: &str,
+    node: &str,
+    ca_pem: &str,
+    client: Option<(String, String)>,
+) -> Result<tonic::transport::Channel, String> {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name(lbscale_engine::nodeapi::auth::node_name(node));
+    if let Some((cert, key)) = client {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    let endpoint = Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap();
+    let connect = endpoint.connect();
+    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+        Ok(r) => r.map_err(|e| {
+            let mut s = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(e) = src {
+                s = format!("{s}: {e}");
+                src = e.source();
+            }
+            s
+        }),
+        Err(_) => Err(format!("no connection to {addr} within 5 s")),
+    }
+}
+
+/// A client of the API at `addr` for node `node` of the test group, as the
+/// engine connects, carrying `token` (none: no token).
+pub async fn api_client_with(addr: &str, node: &str, token: Option<&str>) -> Client {
+    let ca = lbscale_engine::nodeapi::auth::GroupCa::derive(SECRET).unwrap();
+    let ch = api_channel(addr, node, &ca.cert_pem(), Some(ca.issue_engine().unwrap()))
+        .await
+        .expect("connect to node API");
+    let hv: Option<tonic::metadata::MetadataValue<_>> =
+        token.map(|t| format!("Bearer {t}").parse().unwrap());
+    #[allow(clippy::result_large_err)]
+    let f: AddToken = Box::new(move |mut r: tonic::Request<()>| {
+        if let Some(hv) = &hv {
+            r.metadata_mut()
+                .insert(lbscale_proto::AUTH_HEADER, hv.clone());
+        }
+        Ok(r)
+    });
+    lbscale_proto::node_api_client::NodeApiClient::with_interceptor(ch, f)
+}
 
 pub type AddToken =
     Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
@@ -371,8 +445,7 @@ pub type Client = lbscale_proto::node_api_client::NodeApiClient<
 /// the process guard and the directory holding `node.log`.
 pub fn start_serve(name: &str, ip: &str, extra: &[&str]) -> (Proc, PathBuf) {
     let dir = tmpdir(name);
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, TOKEN).unwrap();
+    let files = api_files(&dir, API_NODE, None);
     let mut args = vec![
         "serve",
         "--node-id",
@@ -381,11 +454,10 @@ pub fn start_serve(name: &str, ip: &str, extra: &[&str]) -> (Proc, PathBuf) {
         ip,
         "--api-port",
         "7070",
-        "--token-file",
-        token_file.to_str().unwrap(),
         "--memory-limit-mb",
         "512",
     ];
+    args.extend(files.iter().map(String::as_str));
     args.extend_from_slice(extra);
     let mut p = Proc::spawn(name, &args, &dir.join("node.log"));
     p.wait_ready(Duration::from_secs(10));
@@ -393,23 +465,8 @@ pub fn start_serve(name: &str, ip: &str, extra: &[&str]) -> (Proc, PathBuf) {
 }
 
 pub async fn api_client(ip: &str) -> Client {
-    let ch = tokio::time::timeout(
-        Duration::from_secs(5),
-        tonic::transport::Channel::from_shared(format!("http://{ip}:7070"))
-            .unwrap()
-            .connect(),
-    )
-    .await
-    .expect("connect to node API within 5 s")
-    .expect("connect to node API");
-    let hv: tonic::metadata::MetadataValue<_> = format!("Bearer {TOKEN}").parse().unwrap();
-    #[allow(clippy::result_large_err)]
-    let f: AddToken = Box::new(move |mut r: tonic::Request<()>| {
-        r.metadata_mut()
-            .insert(lbscale_proto::AUTH_HEADER, hv.clone());
-        Ok(r)
-    });
-    lbscale_proto::node_api_client::NodeApiClient::with_interceptor(ch, f)
+    let token = lbscale_engine::nodeapi::auth::node_token(SECRET, API_NODE);
+    api_client_with(&format!("{ip}:7070"), API_NODE, Some(&token)).await
 }
 
 // --- load ---------------------------------------------------------------------
