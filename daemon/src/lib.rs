@@ -168,7 +168,11 @@ impl std::fmt::Display for StartError {
 pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
     let clouds = lbscale_engine::cloud::Clouds::new()
         .with("local", lbscale_cloud_local::drivers(cfg.local.clone()))
-        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()));
+        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()))
+        .with(
+            "gcp",
+            lbscale_cloud_gcp::drivers(lbscale_cloud_gcp::GcpSettings::from_env()),
+        );
     let engine = Engine::open(&cfg.state_url, &cfg.base_dir, clouds)
         .map_err(|e| StartError(format!("--state: {e}")))?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)

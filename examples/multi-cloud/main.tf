@@ -6,6 +6,12 @@
 #   terraform apply -var cloud=aws   # aws: EC2 nodes, a Route 53 record set
 #                                    # (region, image and credentials from the
 #                                    # provider's aws block or AWS_* variables)
+#   terraform apply -var cloud=gcp -var gcp_project=P -var gcp_image=IMAGE
+#                                    # gcp: Compute Engine nodes, a Cloud DNS
+#                                    # record set in your managed zone that
+#                                    # holds the domain (credentials from
+#                                    # GOOGLE_APPLICATION_CREDENTIALS or the
+#                                    # instance's service account; see docs/gcp.md)
 
 terraform {
   required_version = ">= 1.0"
@@ -17,13 +23,25 @@ terraform {
 }
 
 variable "cloud" {
-  description = "Where the fleet runs: local or aws."
+  description = "Where the fleet runs: local, aws or gcp."
   type        = string
   default     = "local"
   validation {
-    condition     = contains(["local", "aws"], var.cloud)
-    error_message = "The cloud must be \"local\" or \"aws\" (the azure and gcp drivers are not built yet)."
+    condition     = contains(["local", "aws", "gcp"], var.cloud)
+    error_message = "The cloud must be \"local\", \"aws\" or \"gcp\" (the azure driver is not built yet)."
   }
+}
+
+variable "gcp_project" {
+  description = "gcp: the project of the nodes and of the managed zone."
+  type        = string
+  default     = "my-project"
+}
+
+variable "gcp_image" {
+  description = "gcp: the image of the nodes, with lbscale-node installed (projects/P/global/images/NAME)."
+  type        = string
+  default     = "projects/my-project/global/images/lbscale-node"
 }
 
 variable "domain" {
@@ -36,12 +54,17 @@ locals {
   availability_zones = {
     local = ["az1", "az2"]
     aws   = ["eu-west-1a", "eu-west-1b"]
+    gcp   = ["europe-west1-b", "europe-west1-c"]
   }
 }
 
 provider "lbscale" {
   aws {
     region = "eu-west-1"
+  }
+  gcp {
+    project = var.gcp_project
+    region  = "europe-west1"
   }
 }
 
@@ -60,6 +83,15 @@ resource "lbscale_autoscale_group" "shop" {
   traffic_distributor_id = lbscale_traffic_distributor.shop.id
   min_nodes              = 1
   max_nodes              = 4
+
+  # On gcp the node block names the image (aws takes the provider's image_id).
+  dynamic "node" {
+    for_each = var.cloud == "gcp" ? [var.gcp_image] : []
+    content {
+      image = node.value
+      size  = "e2-standard-2"
+    }
+  }
 
   threshold {
     metric = "cpu"

@@ -2,6 +2,7 @@
 
 mod common;
 mod data_sources;
+mod gcp_block;
 mod provider;
 mod resources;
 

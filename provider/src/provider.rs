@@ -77,8 +77,8 @@ pub struct AssumeRoleBlock {
     pub duration: Value<String>,
 }
 
-/// The azure and gcp blocks are accepted so that one module serves every
-/// cloud; their drivers come later. Credentials are sensitive and never reach
+/// The azure block is accepted so that one module serves every cloud; its
+/// driver comes later. Credentials are sensitive and never reach
 /// the store.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CloudBlock {
@@ -101,7 +101,7 @@ pub struct ProviderConfig {
     #[serde(default)]
     pub azure: Value<Vec<CloudBlock>>,
     #[serde(default)]
-    pub gcp: Value<Vec<CloudBlock>>,
+    pub gcp: Value<Vec<crate::gcp_block::GcpBlock>>,
 }
 
 fn cloud_block(name: &str) -> NestedBlock {
@@ -307,7 +307,7 @@ impl Provider for LbscaleProvider {
                     ),
                     ("aws", aws_block()),
                     ("azure", cloud_block("azure")),
-                    ("gcp", cloud_block("gcp")),
+                    ("gcp", crate::gcp_block::schema()),
                 ],
             ),
         })
@@ -316,6 +316,7 @@ impl Provider for LbscaleProvider {
     async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::Config<'a>) -> Option<()> {
         local_settings(&config, diags)?;
         aws_settings(&config, diags)?;
+        crate::gcp_block::settings(&config.gcp, diags)?;
         Some(())
     }
 
@@ -327,6 +328,7 @@ impl Provider for LbscaleProvider {
     ) -> Option<()> {
         let local = local_settings(&config, diags)?;
         let aws = aws_settings(&config, diags)?;
+        let gcp = crate::gcp_block::settings(&config.gcp, diags)?;
         if config.state.is_unknown() {
             error(
                 diags,
@@ -344,7 +346,8 @@ impl Provider for LbscaleProvider {
         let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
         let clouds = Clouds::new()
             .with("local", lbscale_cloud_local::drivers(local))
-            .with("aws", lbscale_cloud_aws::drivers(aws));
+            .with("aws", lbscale_cloud_aws::drivers(aws))
+            .with("gcp", lbscale_cloud_gcp::drivers(gcp));
         match Engine::open(&url, &cwd, clouds) {
             Ok(e) => {
                 let _ = self.engine.set(Arc::new(e));

@@ -75,6 +75,18 @@ environment:
   AWS_CA_BUNDLE              aws cloud: PEM file of the CAs to trust instead of the system's
   LBSCALE_AWS_IMAGE_ID       aws cloud: the image nodes start from
   LBSCALE_AWS_INSTANCE_TYPE  aws cloud: the nodes' instance type; default c5.large
+  GOOGLE_CLOUD_PROJECT       gcp cloud: the project (else the next one, else the
+                             service-account key's project_id)
+  CLOUDSDK_CORE_PROJECT      gcp cloud: the project when GOOGLE_CLOUD_PROJECT is unset
+  CLOUDSDK_COMPUTE_REGION    gcp cloud: a check that every zone is in this region
+  GOOGLE_APPLICATION_CREDENTIALS  gcp cloud: a service-account key file, first in
+                             the chain (then gcloud's application-default file
+                             under CLOUDSDK_CONFIG or ~/.config/gcloud, then the
+                             instance's metadata server)
+  GCE_METADATA_HOST          gcp cloud: the metadata server; default
+                             metadata.google.internal
+  LBSCALE_GCP_ENDPOINT       gcp cloud: one endpoint for Compute Engine and Cloud DNS
+  LBSCALE_GCP_CA_BUNDLE      gcp cloud: PEM file of the CAs to trust instead of the system's
   LBSCALE_EVENTS_MAX_PER_GROUP  events kept per group; default 1000
   LBSCALE_EVENTS_MAX_AGE     how long an event is kept; default 720h
 ";

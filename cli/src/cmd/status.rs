@@ -38,7 +38,11 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
             "local",
             lbscale_cloud_local::drivers(LocalSettings::default()),
         )
-        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()));
+        .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()))
+        .with(
+            "gcp",
+            lbscale_cloud_gcp::drivers(lbscale_cloud_gcp::GcpSettings::from_env()),
+        );
     let engine = Engine::open(&state, &cwd, clouds)
         .map_err(|e| CliError::Output(format!("--state: {e}")))?;
     let groups = engine

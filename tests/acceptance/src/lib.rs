@@ -117,6 +117,18 @@ pub fn terraforms() -> Vec<TerraformCli> {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The environment variables that the gcp cloud's settings fall back to.
+pub const GCP_ENV: [&str; 8] = [
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GCE_METADATA_HOST",
+    "CLOUDSDK_CONFIG",
+    "GOOGLE_CLOUD_PROJECT",
+    "CLOUDSDK_CORE_PROJECT",
+    "CLOUDSDK_COMPUTE_REGION",
+    "LBSCALE_GCP_ENDPOINT",
+    "LBSCALE_GCP_CA_BUNDLE",
+];
+
 /// The environment variables that the aws cloud's settings fall back to.
 pub const AWS_ENV: [&str; 22] = [
     "AWS_PROFILE",
@@ -301,7 +313,7 @@ provider "lbscale" {{{}
         // The store and the clouds' settings are what the test says, never
         // what the caller's shell has.
         cmd.env_remove(lbscale_engine::store::STATE_URL_ENV);
-        for var in AWS_ENV {
+        for var in AWS_ENV.iter().chain(&GCP_ENV) {
             cmd.env_remove(var);
         }
         if let (Some(url), true) = (&self.state, self.state_from_env) {

@@ -198,7 +198,7 @@ resource "lbscale_traffic_distributor" "d" {
     let d = diagnostics(&o.all());
     assert!(
         d.iter().any(|d| d.summary == "Cloud driver not built yet"
-            && d.text.contains("\"local\" and \"aws\" work")
+            && d.text.contains("\"local\", \"aws\" and \"gcp\" work")
             && d.line == Some(line_of(&ws, "cloud = \"azure\""))),
         "{d:?}"
     );

@@ -325,6 +325,13 @@ data "lbscale_scaling_simulation" "negative" {{
   until   = 60
 }}
 
+resource "lbscale_traffic_distributor" "on_gcp" {{
+  name   = "on-gcp"
+  cloud  = "gcp" # gcp distributor
+  mode   = "dns"
+  domain = "gcp.lbscale.test"
+}}
+
 resource "lbscale_autoscale_group" "other" {{
   name                   = "other"
   cloud                  = "gcp" # cloud
@@ -358,6 +365,17 @@ resource "lbscale_autoscale_group" "other" {{
         &[(
             "# cloud",
             "cloud must equal the traffic distributor's cloud (\"local\"), got \"gcp\"",
+        )],
+        "error",
+    );
+    // A gcp distributor without the gcp settings (no gcp block, none of
+    // Google's variables): refused on its `cloud`, naming what to set.
+    check(
+        &ws,
+        &out,
+        &[(
+            "# gcp distributor",
+            "the gcp cloud is not usable: no GCP project: set `project` in the provider's gcp block, or GOOGLE_CLOUD_PROJECT",
         )],
         "error",
     );
