@@ -4,7 +4,8 @@
 # provider. Installs what it needs first (scripts/setup.sh), and starts a
 # throwaway PostgreSQL server for the PostgreSQL store's tests
 # (scripts/postgres.sh) and moto's server for the aws driver's tests
-# (scripts/moto.sh), stopped again when the suite ends.
+# (scripts/moto.sh) and the fake Azure API (scripts/azure-fake.sh), stopped
+# again when the suite ends.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -60,6 +61,15 @@ if [ -z "${LBSCALE_TEST_AWS_ENDPOINT:-}" ]; then
     LBSCALE_TEST_AWS_ENDPOINT=$("$root/scripts/moto.sh" start)
     LBSCALE_TEST_AWS_CA=$("$root/scripts/moto.sh" ca)
     export LBSCALE_TEST_AWS_ENDPOINT LBSCALE_TEST_AWS_CA
+fi
+# The fake Azure Resource Manager (it follows Azure's published API
+# definitions; no emulator of these APIs exists) for the azure driver's tests.
+# Its VMs run their custom data with the lbscale-node that setup.sh built.
+if [ -z "${LBSCALE_TEST_AZURE_ENDPOINT:-}" ]; then
+    started+=(azure-fake)
+    LBSCALE_TEST_AZURE_ENDPOINT=$("$root/scripts/azure-fake.sh" start --run-custom-data --node-bin "$root/target/debug/lbscale-node")
+    LBSCALE_TEST_AZURE_CA=$("$root/scripts/azure-fake.sh" ca)
+    export LBSCALE_TEST_AZURE_ENDPOINT LBSCALE_TEST_AZURE_CA
 fi
 # --no-fail-fast: one run reports every failing test binary, not only the first.
 cargo test --workspace --no-fail-fast -- --test-threads=2 "$@"

@@ -170,6 +170,10 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
         .with("local", lbscale_cloud_local::drivers(cfg.local.clone()))
         .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()))
         .with(
+            "azure",
+            lbscale_cloud_azure::drivers(lbscale_cloud_azure::AzureSettings::from_env()),
+        )
+        .with(
             "gcp",
             lbscale_cloud_gcp::drivers(lbscale_cloud_gcp::GcpSettings::from_env()),
         );

@@ -1,5 +1,6 @@
 //! terraform-provider-lbscale: Terraform plugin protocol 6, on the tf-provider crate.
 
+mod azure_block;
 mod common;
 mod data_sources;
 mod gcp_block;

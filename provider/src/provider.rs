@@ -77,19 +77,6 @@ pub struct AssumeRoleBlock {
     pub duration: Value<String>,
 }
 
-/// The azure block is accepted so that one module serves every cloud; its
-/// driver comes later. Credentials are sensitive and never reach
-/// the store.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct CloudBlock {
-    #[serde(default)]
-    pub region: Value<String>,
-    #[serde(default)]
-    pub endpoint: Value<String>,
-    #[serde(default)]
-    pub credentials: Value<String>,
-}
-
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ProviderConfig {
     #[serde(default)]
@@ -99,27 +86,9 @@ pub struct ProviderConfig {
     #[serde(default)]
     pub aws: Value<Vec<AwsBlock>>,
     #[serde(default)]
-    pub azure: Value<Vec<CloudBlock>>,
+    pub azure: Value<Vec<crate::azure_block::AzureBlock>>,
     #[serde(default)]
     pub gcp: Value<Vec<crate::gcp_block::GcpBlock>>,
-}
-
-fn cloud_block(name: &str) -> NestedBlock {
-    NestedBlock::Optional(block(
-        &format!("Settings of the {name} cloud. Its driver is not built yet: groups with `cloud = \"{name}\"` are refused at plan time."),
-        vec![
-            ("region", optional(AttributeType::String, "Region to create nodes in.")),
-            ("endpoint", optional(AttributeType::String, "API endpoint override (for tests and private endpoints).")),
-            (
-                "credentials",
-                sensitive(optional(
-                    AttributeType::String,
-                    "Credentials; when unset, the cloud's usual credential chain is used. Sensitive: never stored nor logged.",
-                )),
-            ),
-        ],
-        vec![],
-    ))
 }
 
 fn aws_block() -> NestedBlock {
@@ -306,7 +275,7 @@ impl Provider for LbscaleProvider {
                         )),
                     ),
                     ("aws", aws_block()),
-                    ("azure", cloud_block("azure")),
+                    ("azure", crate::azure_block::schema()),
                     ("gcp", crate::gcp_block::schema()),
                 ],
             ),
@@ -316,6 +285,7 @@ impl Provider for LbscaleProvider {
     async fn validate<'a>(&self, diags: &mut Diagnostics, config: Self::Config<'a>) -> Option<()> {
         local_settings(&config, diags)?;
         aws_settings(&config, diags)?;
+        crate::azure_block::settings(&config.azure, diags)?;
         crate::gcp_block::settings(&config.gcp, diags)?;
         Some(())
     }
@@ -328,6 +298,7 @@ impl Provider for LbscaleProvider {
     ) -> Option<()> {
         let local = local_settings(&config, diags)?;
         let aws = aws_settings(&config, diags)?;
+        let azure = crate::azure_block::settings(&config.azure, diags)?;
         let gcp = crate::gcp_block::settings(&config.gcp, diags)?;
         if config.state.is_unknown() {
             error(
@@ -347,6 +318,7 @@ impl Provider for LbscaleProvider {
         let clouds = Clouds::new()
             .with("local", lbscale_cloud_local::drivers(local))
             .with("aws", lbscale_cloud_aws::drivers(aws))
+            .with("azure", lbscale_cloud_azure::drivers(azure))
             .with("gcp", lbscale_cloud_gcp::drivers(gcp));
         match Engine::open(&url, &cwd, clouds) {
             Ok(e) => {

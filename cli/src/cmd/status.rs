@@ -40,6 +40,10 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
         )
         .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()))
         .with(
+            "azure",
+            lbscale_cloud_azure::drivers(lbscale_cloud_azure::AzureSettings::from_env()),
+        )
+        .with(
             "gcp",
             lbscale_cloud_gcp::drivers(lbscale_cloud_gcp::GcpSettings::from_env()),
         );

@@ -129,6 +129,29 @@ pub const GCP_ENV: [&str; 8] = [
     "LBSCALE_GCP_CA_BUNDLE",
 ];
 
+/// The environment variables that the azure cloud's settings fall back to.
+pub const AZURE_ENV: [&str; 19] = [
+    "ARM_SUBSCRIPTION_ID",
+    "AZURE_SUBSCRIPTION_ID",
+    "ARM_CLIENT_ID",
+    "ARM_CLIENT_SECRET",
+    "ARM_TENANT_ID",
+    "ARM_OIDC_TOKEN_FILE_PATH",
+    "ARM_USE_MSI",
+    "AZURE_CLIENT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_TENANT_ID",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_AUTHORITY_HOST",
+    "AZURE_POD_IDENTITY_AUTHORITY_HOST",
+    "LBSCALE_AZURE_RESOURCE_GROUP",
+    "LBSCALE_AZURE_LOCATION",
+    "LBSCALE_AZURE_ENDPOINT",
+    "LBSCALE_AZURE_CA_BUNDLE",
+    "LBSCALE_AZURE_IMAGE",
+    "LBSCALE_AZURE_VM_SIZE",
+];
+
 /// The environment variables that the aws cloud's settings fall back to.
 pub const AWS_ENV: [&str; 22] = [
     "AWS_PROFILE",
@@ -313,7 +336,7 @@ provider "lbscale" {{{}
         // The store and the clouds' settings are what the test says, never
         // what the caller's shell has.
         cmd.env_remove(lbscale_engine::store::STATE_URL_ENV);
-        for var in AWS_ENV.iter().chain(&GCP_ENV) {
+        for var in AWS_ENV.iter().chain(&GCP_ENV).chain(&AZURE_ENV) {
             cmd.env_remove(var);
         }
         if let (Some(url), true) = (&self.state, self.state_from_env) {

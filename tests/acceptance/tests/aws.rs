@@ -197,8 +197,10 @@ resource "lbscale_traffic_distributor" "d" {
     assert_eq!(o.code, 1, "{}", o.all());
     let d = diagnostics(&o.all());
     assert!(
-        d.iter().any(|d| d.summary == "Cloud driver not built yet"
-            && d.text.contains("\"local\", \"aws\" and \"gcp\" work")
+        // The azure driver without its settings (none in the provider nor
+        // the environment): said on `cloud`, naming what to set.
+        d.iter().any(|d| d.summary == "Cloud not usable"
+            && d.text.contains("no Azure subscription_id")
             && d.line == Some(line_of(&ws, "cloud = \"azure\""))),
         "{d:?}"
     );

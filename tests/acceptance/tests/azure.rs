@@ -1,0 +1,309 @@
+//! The azure cloud under the real Terraform CLI, against the fake ARM server
+//! (`lbscale_cloud_azure::fake_testing`: it follows Azure's published API
+//! definitions). The fake runs a VM's custom data (scripts/test.sh starts it
+//! with `--run-custom-data` and the built lbscale-node), so a group's node
+//! really serves, at the loopback private address the fake gave it: apply,
+//! an empty plan, the daemon scaling out under load and back in, destroy.
+
+use lbscale_acceptance::*;
+use lbscale_cloud_azure::fake_testing::{fake, unique, Fake, CLIENT, SECRET, SUBSCRIPTION, TENANT};
+use std::time::Duration;
+
+/// The provider's `azure` block that reaches the fake.
+fn azure_block(fake: &Fake, rg: &str) -> String {
+    format!(
+        r#"  azure {{
+    subscription_id = "{SUBSCRIPTION}"
+    resource_group  = "{rg}"
+    location        = "westeurope"
+    tenant_id       = "{TENANT}"
+    client_id       = "{CLIENT}"
+    client_secret   = "{SECRET}"
+    endpoint        = "{e}"
+    authority_host  = "{e}"
+    ca_bundle       = "{ca}"
+  }}
+"#,
+        e = fake.endpoint,
+        ca = fake.ca.display()
+    )
+}
+
+#[test]
+fn an_azure_group_of_vms_behind_a_traffic_manager_profile_applies_plans_empty_and_destroys() {
+    let Some(fake) = fake(
+        "an_azure_group_of_vms_behind_a_traffic_manager_profile_applies_plans_empty_and_destroys",
+    ) else {
+        return;
+    };
+    let rg = unique("rg-acc");
+    let subnets = fake.network(&rg, &["1", "2"]);
+    let zone = format!("{}.example", unique("acc"));
+    let zone_path = fake.dns_zone(&rg, &zone);
+    let mut ws = Workspace::new("azure-group", 151);
+    ws.provider_blocks = azure_block(&fake, &rg);
+    ws.write(&format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name   = "azd"
+  cloud  = "azure"
+  mode   = "dns"
+  domain = "www.{zone}"
+  ttl    = "1s"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "azg"
+  cloud                  = "azure"
+  availability_zones     = ["1", "2"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = 2
+  apply_timeout          = "60s"
+  drain_timeout          = "1s"
+  node {{
+    image   = "Canonical:ubuntu-24_04-lts:server:latest"
+    size    = "Standard_B2s"
+    subnets = {{ "1" = "{s1}", "2" = "{s2}" }}
+    tags    = {{ team = "edge" }}
+  }}
+  threshold {{
+    metric = "cpu"
+    min    = 10
+    max    = 70
+  }}
+}}
+
+output "address" {{ value = lbscale_traffic_distributor.d.address }}
+output "endpoints" {{ value = lbscale_traffic_distributor.d.endpoints }}
+"#,
+        s1 = subnets["1"],
+        s2 = subnets["2"],
+    ));
+    ws.apply();
+    let vms = fake.resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"));
+    assert_eq!(vms.len(), 2, "{vms:?}");
+    let mut zones: Vec<String> = vms
+        .values()
+        .map(|v| v["zones"][0].as_str().unwrap().to_string())
+        .collect();
+    zones.sort();
+    assert_eq!(zones, ["1", "2"]);
+    assert!(vms.values().all(|v| v["tags"]["team"] == "edge"));
+    let processes = fake.state()["processes"].as_object().unwrap().len();
+    assert!(processes >= 2, "the VMs' lbscale-node run: {processes}");
+    // The profile hands out the two nodes; the CNAME points at it.
+    let out = ws.outputs();
+    let fqdn = out["address"]["value"]["dns"].as_str().unwrap().to_string();
+    assert!(fqdn.ends_with(".trafficmanager.net"), "{out}");
+    let profiles = fake.resources_under(&Fake::path(
+        &rg,
+        "Microsoft.Network/trafficmanagerprofiles/",
+    ));
+    let profile = profiles.values().next().expect("a profile");
+    assert_eq!(
+        profile["properties"]["endpoints"].as_array().unwrap().len(),
+        2,
+        "{profile}"
+    );
+    let cname = fake
+        .resource(&format!("{zone_path}/CNAME/www"))
+        .expect("the CNAME");
+    assert_eq!(cname["properties"]["CNAMERecord"]["cname"], fqdn.as_str());
+    // The secret is in neither the state nor the store.
+    let state = std::fs::read_to_string(ws.dir.join("terraform.tfstate")).unwrap();
+    assert!(!state.contains(SECRET), "the secret is in the state");
+    let db = std::fs::read(ws.dir.join(".lbscale/state.db")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&db).contains(SECRET),
+        "the secret is in the store"
+    );
+    ws.assert_plan_empty("an azure group and distributor");
+
+    ws.destroy();
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
+        .is_empty());
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/networkInterfaces/"))
+        .is_empty());
+    assert!(fake
+        .resources_under(&Fake::path(
+            &rg,
+            "Microsoft.Network/trafficmanagerprofiles/"
+        ))
+        .is_empty());
+    assert!(fake.resource(&format!("{zone_path}/CNAME/www")).is_none());
+    assert!(fake.state()["disks"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .all(|d| !d.contains(&rg.to_ascii_lowercase())));
+}
+
+/// Bad azure settings are refused at plan time on their attribute, without
+/// repeating the secret.
+#[test]
+fn bad_azure_settings_are_refused_by_name() {
+    let mut ws = Workspace::new("azure-refused", 152);
+    ws.provider_blocks = r#"  azure {
+    subscription_id = "s"
+    resource_group  = "g"
+    location        = "westeurope"
+    client_id       = "c"
+    client_secret   = "s3cret-value"
+  }
+"#
+    .into();
+    let body = r#"
+resource "lbscale_traffic_distributor" "d" {
+  name   = "refused"
+  cloud  = "azure"
+  mode   = "dns"
+  domain = "refused.lbscale.test"
+}
+"#;
+    ws.write(body);
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    let d = diagnostics(&o.all());
+    assert!(
+        d.iter().any(|d| d.summary == "Missing tenant_id"
+            && d.text.contains("client_secret needs tenant_id")),
+        "{d:?}"
+    );
+    assert!(!o.all().contains("s3cret-value"), "{}", o.all());
+
+    ws.provider_blocks = ws.provider_blocks.replace(
+        "    client_secret   = \"s3cret-value\"\n",
+        "    endpoint        = \"management.azure.com\"\n",
+    );
+    ws.write(body);
+    let o = ws.plan();
+    assert_eq!(o.code, 1, "{}", o.all());
+    assert!(
+        diagnostics(&o.all())
+            .iter()
+            .any(|d| d.summary == "Invalid endpoint" && d.text.contains("http(s)://HOST")),
+        "{}",
+        o.all()
+    );
+}
+
+/// The daemon scales an azure group out under load and back in when idle:
+/// its VMs (real lbscale-node processes that the fake runs) join the Traffic
+/// Manager profile and leave it, and the plan stays empty.
+#[test]
+fn the_daemon_scales_an_azure_group_out_under_load_and_back_in() {
+    let Some(fake) = fake("the_daemon_scales_an_azure_group_out_under_load_and_back_in") else {
+        return;
+    };
+    let rg = unique("rg-daemon");
+    let subnets = fake.network(&rg, &["1"]);
+    let zone = format!("{}.example", unique("dmn"));
+    fake.dns_zone(&rg, &zone);
+    let backend = big_backend();
+    let mut ws = Workspace::new("azure-daemon", 153);
+    ws.provider_blocks = azure_block(&fake, &rg);
+    let stack = daemon_stack("azdm", backend, 2, "3s")
+        .replace("cloud  = \"local\"", "cloud  = \"azure\"")
+        .replace("cloud                  = \"local\"", "cloud                  = \"azure\"")
+        .replace("domain = \"azdm.lbscale.test\"", &format!("domain = \"www.{zone}\""))
+        .replace("availability_zones     = [\"az1\"]", "availability_zones     = [\"1\"]")
+        .replace(
+            "  drain_timeout          = \"2s\"\n",
+            &format!(
+                "  drain_timeout          = \"2s\"\n  apply_timeout          = \"60s\"\n  node {{\n    image   = \"Canonical:ubuntu-24_04-lts:server:latest\"\n    subnets = {{ \"1\" = \"{}\" }}\n  }}\n",
+                subnets["1"]
+            ),
+        );
+    ws.write(&stack);
+    ws.apply();
+    let group_id = ws.engine().group_named("azdm").unwrap().unwrap().id;
+    let serving = |ws: &Workspace| -> Vec<String> {
+        ws.engine()
+            .node_rows(&group_id)
+            .unwrap()
+            .into_iter()
+            .filter(|n| n.registered && n.state.as_str() == "active")
+            .map(|n| n.private_ip)
+            .collect()
+    };
+    let targets = |fake: &Fake| -> Vec<String> {
+        let profiles = fake.resources_under(&Fake::path(
+            &rg,
+            "Microsoft.Network/trafficmanagerprofiles/",
+        ));
+        let mut t: Vec<String> = profiles
+            .values()
+            .flat_map(|p| {
+                p["properties"]["endpoints"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .map(|e| e["properties"]["target"].as_str().unwrap().to_string())
+            .collect();
+        t.sort();
+        t
+    };
+    let first = serving(&ws);
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(targets(&fake), first);
+
+    let env = [
+        ("ARM_SUBSCRIPTION_ID", SUBSCRIPTION),
+        ("LBSCALE_AZURE_RESOURCE_GROUP", rg.as_str()),
+        ("LBSCALE_AZURE_LOCATION", "westeurope"),
+        ("LBSCALE_AZURE_ENDPOINT", fake.endpoint.as_str()),
+        ("LBSCALE_AZURE_CA_BUNDLE", fake.ca.to_str().unwrap()),
+        ("AZURE_AUTHORITY_HOST", fake.endpoint.as_str()),
+        ("AZURE_TENANT_ID", TENANT),
+        ("AZURE_CLIENT_ID", CLIENT),
+        ("AZURE_CLIENT_SECRET", SECRET),
+    ];
+    let daemon = Daemon::start_with(&ws, 19571, "azure", &env);
+    let load = Load::start(&first[0], &format!("www.{zone}"));
+    let both = wait_for(
+        "scale-out to 2 serving VMs",
+        Duration::from_secs(60),
+        || {
+            let s = serving(&ws);
+            (s.len() == 2).then_some(s)
+        },
+    );
+    wait_for(
+        "both VMs in the Traffic Manager profile",
+        Duration::from_secs(15),
+        || {
+            let mut b = both.clone();
+            b.sort();
+            (targets(&fake) == b).then_some(())
+        },
+    );
+    assert_eq!(
+        fake.resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"))
+            .len(),
+        2
+    );
+    assert!(load.stop() > 20, "the load generator got answers");
+    wait_for("scale-in back to 1 VM", Duration::from_secs(60), || {
+        (serving(&ws).len() == 1
+            && fake
+                .resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"))
+                .len()
+                == 1)
+            .then_some(())
+    });
+    wait_for(
+        "the profile back to one endpoint",
+        Duration::from_secs(15),
+        || (targets(&fake).len() == 1).then_some(()),
+    );
+    ws.assert_plan_empty("the daemon scaled an azure group out and in");
+    daemon.stop();
+    ws.destroy();
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
+        .is_empty());
+}
