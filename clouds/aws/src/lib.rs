@@ -633,6 +633,12 @@ fn bootstrap(req: &ProvisionRequest) -> String {
          sleep 1\n\
          done\n\
          [ -n \"$ip\" ] || {{ echo 'lbscale: no private address from the instance metadata' >&2; exit 1; }}\n\
+         printf 'LBSCALE_NODE_ID=%s\\nLBSCALE_LISTEN_IP=0.0.0.0\\nLBSCALE_API_ADDRESS=%s\\nLBSCALE_API_PORT=%s\\n' {node} \"$ip\" {port} > /etc/lbscale/node.env\n\
+         # An image made with examples/cloud-init has the unit: systemd runs the\n\
+         # node (restarted on failure, started again at boot). Otherwise, run it here.\n\
+         if [ -d /run/systemd/system ] && [ -f /etc/systemd/system/lbscale-node.service ]; then\n\
+         systemctl start lbscale-node.service; exit 0\n\
+         fi\n\
          exec lbscale-node serve --node-id {node} --listen-ip 0.0.0.0 --api-address \"$ip\" --api-port {port} \
          --token-file /etc/lbscale/token --tls-ca /etc/lbscale/ca.pem --tls-cert /etc/lbscale/node.pem \
          --tls-key /etc/lbscale/node-key.pem --memory-limit-mb {mem}\n",
