@@ -2,9 +2,9 @@
 //! implementation of the AWS APIs; see `lbscale_cloud_aws::moto_testing`): a
 //! `dns` distributor is a Route 53 record set, a group's nodes are EC2
 //! instances, and bad settings (and the clouds not built yet) are refused at
-//! plan time by name. The `nlb` distributor (ELBv2) is tested at the driver
-//! level (engine/tests/aws_cloud.rs): on moto no node answers, so no group
-//! behind it can come up under Terraform.
+//! plan time by name. A group whose nodes come up behind an `nlb` (ELBv2) in
+//! the group's subnets is in aws_placement.rs, where each instance's user
+//! data runs a real lbscale-node at the instance's private address.
 
 use lbscale_acceptance::*;
 use lbscale_cloud_aws::moto_testing::{moto, unique, Moto};
