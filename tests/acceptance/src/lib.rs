@@ -322,6 +322,20 @@ provider "lbscale" {{{}
         )
     }
 
+    /// Copies `examples/modules/fleet` to `modules/fleet` in the workspace,
+    /// for a `main.tf` that calls it (install it with `terraform get` once
+    /// that is written).
+    pub fn copy_fleet_module(&self) {
+        let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/modules/fleet");
+        let to = self.dir.join("modules/fleet");
+        std::fs::create_dir_all(&to).unwrap();
+        for e in std::fs::read_dir(&from).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "tf") {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+    }
+
     /// Writes `main.tf`: the header followed by `body`.
     pub fn write(&self, body: &str) {
         std::fs::write(

@@ -703,3 +703,62 @@ fn the_image_comes_from_the_node_block_or_the_provider() {
         "{d:#?}"
     );
 }
+
+/// The shared module `examples/modules/fleet` on moto: the same module as on
+/// local (fleet_module.rs), with aws's zones and node block; its instances
+/// stand in as above.
+#[test]
+fn the_fleet_module_comes_up_on_aws_and_goes_with_destroy() {
+    let Some(moto) = moto("the_fleet_module_comes_up_on_aws_and_goes_with_destroy") else {
+        return;
+    };
+    let mut ws = Workspace::new("aws-fleet", 137);
+    ws.provider_blocks = aws_block(&moto);
+    let (_vpc, subnets) = loopback_vpc(&moto, 137, &["us-east-1a", "us-east-1b"]);
+    let group = unique("fleet");
+    let _instances = StandIns::start(&moto, &group, &ws.dir);
+    let backend = tcp_backend("fleet");
+    ws.copy_fleet_module();
+    ws.write(&format!(
+        r#"
+module "shop" {{
+  source             = "./modules/fleet"
+  name               = "{group}"
+  cloud              = "aws"
+  availability_zones = ["us-east-1a", "us-east-1b"]
+  domain             = "{group}.lbscale.test"
+  ttl                = "1s"
+  node = {{
+    size    = "t3.small"
+    subnets = {{ "us-east-1a" = "{a}", "us-east-1b" = "{b}" }}
+    tags    = {{ app = "fleet" }}
+  }}
+  vservers = {{
+    web = {{
+      port     = 28090
+      backends = [{{ name = "b1", address = "127.0.0.1", port = {backend} }}]
+    }}
+  }}
+}}
+"#,
+        a = subnets["us-east-1a"],
+        b = subnets["us-east-1b"],
+    ));
+    let o = ws.tf(&["get", "-no-color"]);
+    assert_eq!(o.code, 0, "terraform get:\n{}", o.all());
+    let o = ws.tf(&["apply", "-auto-approve", "-no-color", "-input=false"]);
+    assert_eq!(o.code, 0, "apply:\n{}\n{}", o.all(), node_log(&ws.dir));
+    let running: Vec<Instance> = instances(&moto, &group)
+        .into_iter()
+        .filter(|i| i.state == "running")
+        .collect();
+    assert_eq!(running.len(), 2, "an instance per zone");
+    ws.assert_plan_empty("the fleet module on aws");
+    ws.destroy();
+    assert!(
+        instances(&moto, &group)
+            .iter()
+            .all(|i| i.state == "terminated" || i.state == "shutting-down"),
+        "instances left running after destroy"
+    );
+}

@@ -307,3 +307,63 @@ fn the_daemon_scales_an_azure_group_out_under_load_and_back_in() {
         .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
         .is_empty());
 }
+
+/// The shared module `examples/modules/fleet` on the fake ARM server: the
+/// same module as on local (fleet_module.rs), with azure's zones and node
+/// block.
+#[test]
+fn the_fleet_module_comes_up_on_azure_and_goes_with_destroy() {
+    let Some(fake) = fake("the_fleet_module_comes_up_on_azure_and_goes_with_destroy") else {
+        return;
+    };
+    let rg = unique("rg-fleet");
+    let subnets = fake.network(&rg, &["1", "2"]);
+    let zone = format!("{}.example", unique("fleet"));
+    fake.dns_zone(&rg, &zone);
+    let mut ws = Workspace::new("azure-fleet", 153);
+    ws.provider_blocks = azure_block(&fake, &rg);
+    ws.copy_fleet_module();
+    ws.write(&format!(
+        r#"
+module "shop" {{
+  source             = "./modules/fleet"
+  name               = "azfleet"
+  cloud              = "azure"
+  availability_zones = ["1", "2"]
+  domain             = "www.{zone}"
+  ttl                = "1s"
+  node = {{
+    image   = "Canonical:ubuntu-24_04-lts:server:latest"
+    size    = "Standard_B2s"
+    subnets = {{ "1" = "{s1}", "2" = "{s2}" }}
+    tags    = {{ app = "fleet" }}
+  }}
+  vservers = {{
+    web = {{
+      port     = 8080
+      backends = [{{ name = "b1", address = "10.0.1.10", port = 8080 }}]
+    }}
+  }}
+}}
+"#,
+        s1 = subnets["1"],
+        s2 = subnets["2"],
+    ));
+    let o = ws.tf(&["get", "-no-color"]);
+    assert_eq!(o.code, 0, "terraform get:\n{}", o.all());
+    ws.apply();
+    let vms = fake.resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"));
+    assert_eq!(vms.len(), 2, "{vms:?}");
+    assert!(vms.values().all(|v| v["tags"]["app"] == "fleet"), "{vms:?}");
+    ws.assert_plan_empty("the fleet module on azure");
+    ws.destroy();
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
+        .is_empty());
+    assert!(fake
+        .resources_under(&Fake::path(
+            &rg,
+            "Microsoft.Network/trafficmanagerprofiles/"
+        ))
+        .is_empty());
+}

@@ -24,18 +24,17 @@ fn every_example_validates() {
         "expected an example per resource and data source, found {dirs:?}"
     );
     let ws = Workspace::new("examples", 118);
+    // The whole tree, so that a root's `source = "../../modules/..."` resolves.
+    let copy = ws.dir.join("examples");
+    copy_tree(&root, &copy);
     for dir in dirs {
-        for f in std::fs::read_dir(ws.dir.clone()).unwrap().flatten() {
-            if f.path().extension().is_some_and(|x| x == "tf") {
-                std::fs::remove_file(f.path()).unwrap();
-            }
-        }
-        for f in std::fs::read_dir(&dir).unwrap().flatten() {
-            if f.path().extension().is_some_and(|x| x == "tf") {
-                std::fs::copy(f.path(), ws.dir.join(f.file_name())).unwrap();
-            }
-        }
-        let o = ws.tf(&["validate", "-no-color"]);
+        let rel = dir.strip_prefix(&root).unwrap();
+        let chdir = format!("-chdir=examples/{}", rel.display());
+        // Installs the modules a root calls (no providers: the dev override
+        // serves lbscale).
+        let o = ws.tf(&[&chdir, "get", "-no-color"]);
+        assert_eq!(o.code, 0, "{}: terraform get:\n{}", dir.display(), o.all());
+        let o = ws.tf(&[&chdir, "validate", "-no-color"]);
         assert_eq!(
             o.code,
             0,
@@ -43,5 +42,20 @@ fn every_example_validates() {
             dir.display(),
             o.all()
         );
+    }
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let (p, name) = (e.path(), e.file_name());
+        if name.to_string_lossy().starts_with('.') {
+            continue; // .terraform, .lbscale of someone's runs
+        }
+        if p.is_dir() {
+            copy_tree(&p, &to.join(&name));
+        } else {
+            std::fs::copy(&p, to.join(&name)).unwrap();
+        }
     }
 }

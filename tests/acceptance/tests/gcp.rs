@@ -438,3 +438,57 @@ fn the_daemon_scales_a_gcp_group_out_under_load_and_back_in() {
     ws.destroy();
     assert!(fake.state()["instances"].as_array().unwrap().is_empty());
 }
+
+/// The shared module `examples/modules/fleet` on the gcp fake: the same
+/// module as on local (fleet_module.rs), with gcp's zones and node block.
+#[test]
+fn the_fleet_module_comes_up_on_gcp_and_goes_with_destroy() {
+    let fake = GcpFake::start_with("acc-fleet", Some(&bin_dir()));
+    fake.subnetwork("us-central1", "fl-a", "127.145.1.0/24");
+    fake.subnetwork("us-central1", "fl-b", "127.145.2.0/24");
+    fake.managed_zone("fleet", "fleet.lbscale.test.");
+    let mut ws = Workspace::new("gcp-fleet", 145);
+    ws.provider_blocks = gcp_block(&fake);
+    ws.copy_fleet_module();
+    ws.write(&format!(
+        r#"
+module "shop" {{
+  source             = "./modules/fleet"
+  name               = "gfleet"
+  cloud              = "gcp"
+  availability_zones = ["us-central1-a", "us-central1-b"]
+  domain             = "app.fleet.lbscale.test"
+  ttl                = "1s"
+  node = {{
+    image   = "{IMAGE}"
+    subnets = {{ "us-central1-a" = "fl-a", "us-central1-b" = "fl-b" }}
+    tags    = {{ app = "fleet" }}
+  }}
+  vservers = {{
+    web = {{
+      port     = 8080
+      backends = [{{ name = "b1", address = "10.0.1.10", port = 8080 }}]
+    }}
+  }}
+}}
+"#
+    ));
+    let o = ws.tf(&["get", "-no-color"]);
+    assert_eq!(o.code, 0, "terraform get:\n{}", o.all());
+    let o = ws.tf(&["apply", "-auto-approve", "-no-color", "-input=false"]);
+    assert_eq!(o.code, 0, "{}\nstate: {}", o.all(), fake.state());
+    let state = fake.state();
+    let instances = state["instances"].as_array().unwrap().clone();
+    assert_eq!(instances.len(), 2, "{instances:?}");
+    assert!(
+        instances.iter().all(|i| i["labels"]["app"] == "fleet"),
+        "the module's node tags are the instances' labels: {instances:?}"
+    );
+    let a = ("app.fleet.lbscale.test.".to_string(), "A".to_string());
+    assert_eq!(fake.records("fleet")[&a].1.len(), 2);
+    ws.assert_plan_empty("the fleet module on gcp");
+    ws.destroy();
+    let state = fake.state();
+    assert!(state["instances"].as_array().unwrap().is_empty(), "{state}");
+    assert!(!fake.records("fleet").contains_key(&a));
+}
