@@ -328,7 +328,7 @@ output "nodes" {{ value = lbscale_autoscale_group.g.nodes }}
     public.sort();
     // The serving nodes are in the record, by their external addresses.
     let a = ("app.life.lbscale.test.".to_string(), "A".to_string());
-    assert_eq!(fake.records("life")[&a], (1, public));
+    assert_eq!(fake.records("life")[&a], (1, public.clone()));
     // No network tags given: the group's own firewall rule opens the node
     // API to its subnetworks (no vserver: no rule for clients).
     let rules = state["firewalls"].as_array().unwrap();
@@ -341,6 +341,43 @@ output "nodes" {{ value = lbscale_autoscale_group.g.nodes }}
     assert!(
         instances.iter().all(|i| i["tags"]["items"][0] == tag),
         "{instances:?}"
+    );
+    // Google's own client sees the same: the group's instances are its
+    // serving nodes, and the record hands out their external addresses.
+    let group = ws.resource("lbscale_autoscale_group.g");
+    let group_id = group["id"].as_str().unwrap().to_string();
+    let mut serving: Vec<String> = group["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["state"] == "active")
+        .map(|n| n["private_ip"].as_str().unwrap().to_string())
+        .collect();
+    serving.sort();
+    assert_eq!(serving, private, "the serving nodes are the instances");
+    let (ok, out, err) = fake.gcloud(&[
+        "compute",
+        "instances",
+        "list",
+        &format!("--filter=labels.lbscale-group={group_id}"),
+        "--format=value(networkInterfaces[0].networkIP,status)",
+    ]);
+    assert!(ok, "gcloud: {err}");
+    let mut listed: Vec<String> = out.lines().map(str::to_string).collect();
+    listed.sort();
+    let want: Vec<String> = serving.iter().map(|ip| format!("{ip}\tRUNNING")).collect();
+    assert_eq!(listed, want, "gcloud's instances vs the serving nodes");
+    let (ok, out, err) = fake.gcloud(&[
+        "dns",
+        "record-sets",
+        "list",
+        "--zone=life",
+        "--format=value(name,type,rrdatas.list())",
+    ]);
+    assert!(ok, "gcloud: {err}");
+    assert!(
+        out.contains(&format!("app.life.lbscale.test.\tA\t{}", public.join(","))),
+        "gcloud's record sets vs the serving nodes' addresses {public:?}: {out}"
     );
     ws.assert_plan_empty("a gcp group that came up");
     ws.destroy();
