@@ -367,6 +367,55 @@ fn load_balancer(moto: &Moto, name: &str) -> Option<(BTreeMap<String, String>, S
     Some((zones, text(lb, "VpcId")))
 }
 
+/// `address:port` of every target registered in the load balancer's target
+/// groups.
+fn nlb_targets(moto: &Moto, name: &str) -> BTreeSet<String> {
+    let elb = |body: String| moto.call("elasticloadbalancing", "POST", "/", Some(&body));
+    let xml = elb(format!(
+        "Action=DescribeLoadBalancers&Version=2015-12-01&Names.member.1={name}"
+    ));
+    let arn = first(&xml, "LoadBalancerArn");
+    let xml = elb(format!(
+        "Action=DescribeTargetGroups&Version=2015-12-01&LoadBalancerArn={}",
+        urlencode(&arn)
+    ));
+    let groups: Vec<String> = roxml(&xml)
+        .descendants()
+        .filter(|n| n.has_tag_name("TargetGroupArn"))
+        .filter_map(|n| n.text().map(str::to_string))
+        .collect();
+    let mut out = BTreeSet::new();
+    for tg in groups {
+        let xml = elb(format!(
+            "Action=DescribeTargetHealth&Version=2015-12-01&TargetGroupArn={}",
+            urlencode(&tg)
+        ));
+        let doc = roxml(&xml);
+        for t in doc.descendants().filter(|n| n.has_tag_name("Target")) {
+            let field = |tag: &str| {
+                t.children()
+                    .find(|c| c.has_tag_name(tag))
+                    .and_then(|c| c.text())
+                    .unwrap_or("")
+                    .to_string()
+            };
+            out.insert(format!("{}:{}", field("Id"), field("Port")));
+        }
+    }
+    out
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 fn stack(
     group: &str,
     mode: &str,
@@ -524,6 +573,17 @@ fn an_aws_group_is_placed_as_its_node_block_says_behind_an_nlb() {
     let (lb_subnets, lb_vpc) = load_balancer(&moto, &lb_name).expect("the load balancer");
     assert_eq!(lb_subnets, subnets);
     assert_eq!(lb_vpc, vpc);
+    // Its targets are the serving nodes (by address), on each vserver's port.
+    let serving: BTreeSet<String> = instances(&moto, &group)
+        .into_iter()
+        .filter(|i| i.state == "running")
+        .flat_map(|i| {
+            vservers
+                .iter()
+                .map(move |(_, _, port)| format!("{}:{port}", i.private_ip))
+        })
+        .collect();
+    assert_eq!(nlb_targets(&moto, &lb_name), serving, "the nlb's targets");
 
     // A vserver's port changes: the made group's rules follow at the apply.
     let vservers = [("tcp", "TCP", 28_090), ("web", "HTTP", 28_081)];
