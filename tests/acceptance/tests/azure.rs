@@ -320,7 +320,7 @@ fn the_fleet_module_comes_up_on_azure_and_goes_with_destroy() {
     let subnets = fake.network(&rg, &["1", "2"]);
     let zone = format!("{}.example", unique("fleet"));
     fake.dns_zone(&rg, &zone);
-    let mut ws = Workspace::new("azure-fleet", 153);
+    let mut ws = Workspace::new("azure-fleet", 154);
     ws.provider_blocks = azure_block(&fake, &rg);
     ws.copy_fleet_module();
     ws.write(&format!(

@@ -481,10 +481,10 @@ fn the_daemon_scales_a_gcp_group_out_under_load_and_back_in() {
 #[test]
 fn the_fleet_module_comes_up_on_gcp_and_goes_with_destroy() {
     let fake = GcpFake::start_with("acc-fleet", Some(&bin_dir()));
-    fake.subnetwork("us-central1", "fl-a", "127.145.1.0/24");
-    fake.subnetwork("us-central1", "fl-b", "127.145.2.0/24");
+    fake.subnetwork("us-central1", "fl-a", "127.146.1.0/24");
+    fake.subnetwork("us-central1", "fl-b", "127.146.2.0/24");
     fake.managed_zone("fleet", "fleet.lbscale.test.");
-    let mut ws = Workspace::new("gcp-fleet", 145);
+    let mut ws = Workspace::new("gcp-fleet", 146);
     ws.provider_blocks = gcp_block(&fake);
     ws.copy_fleet_module();
     ws.write(&format!(
