@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 mod node;
-pub use node::{check_cidr, node_fields, NodeField, NodeSpec, AWS_MAX_SECURITY_GROUPS, AWS_MAX_USER_TAGS};
+pub use node::{
+    check_cidr, node_fields, NodeField, NodeSpec, AWS_MAX_SECURITY_GROUPS, AWS_MAX_USER_TAGS,
+};
 
 pub const CLOUDS: &[&str] = &["local", "aws", "azure", "gcp"];
 pub const DISTRIBUTOR_MODES: &[&str] = &["dns", "nlb"];

@@ -78,7 +78,10 @@ impl NodeClient {
             .connect()
             .await
             .map_err(|e| {
-                unreachable(format!("{} (expected node {node_id}'s certificate)", chain(&e)))
+                unreachable(format!(
+                    "{} (expected node {node_id}'s certificate)",
+                    chain(&e)
+                ))
             })?;
         // The token is hex, so it is always valid ASCII metadata; never log it.
         let value: MetadataValue<_> = format!("Bearer {}", auth::node_token(group_secret, node_id))

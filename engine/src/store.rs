@@ -372,7 +372,8 @@ fn group_of_lease(key: &str) -> Option<&str> {
     if is_group_lease(key) {
         return Some(key);
     }
-    key.strip_prefix("daemon/").or_else(|| group_of_az_lease(key))
+    key.strip_prefix("daemon/")
+        .or_else(|| group_of_az_lease(key))
 }
 
 /// Whether `key` is a group's own lease (the one an apply takes): a group id,
@@ -905,7 +906,12 @@ impl Store {
     }
     /// Records what distributor `id` serves, fenced by `lease` (the
     /// distributor's) in the statement itself.
-    pub fn set_served_publication_under(&self, lease: &Lease, id: &str, served: &str) -> Result<()> {
+    pub fn set_served_publication_under(
+        &self,
+        lease: &Lease,
+        id: &str,
+        served: &str,
+    ) -> Result<()> {
         let written = self.with(|c| {
             c.execute(
                 &format!(
@@ -1948,7 +1954,9 @@ mod tests {
 
     store_test!(lease_excludes_a_second_holder_and_fences_the_next, |ts| {
         let s = ts.open();
-        let a = s.acquire_lease("distributor/g1", "a", Duration::from_secs(30)).unwrap();
+        let a = s
+            .acquire_lease("distributor/g1", "a", Duration::from_secs(30))
+            .unwrap();
         assert!(matches!(
             s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
@@ -1961,7 +1969,9 @@ mod tests {
             a.fence
         );
         s.release_lease(&a).unwrap();
-        let b = s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)).unwrap();
+        let b = s
+            .acquire_lease("distributor/g1", "b", Duration::from_secs(30))
+            .unwrap();
         assert!(b.fence > a.fence);
     });
 
@@ -1982,7 +1992,9 @@ mod tests {
                 s.check_lease(&short),
                 Err(StoreError::LeaseLost { .. })
             ));
-            let b = s.acquire_lease("distributor/g1", "b", Duration::from_secs(30)).unwrap();
+            let b = s
+                .acquire_lease("distributor/g1", "b", Duration::from_secs(30))
+                .unwrap();
             assert!(matches!(
                 s.renew_lease(&a, Duration::from_secs(30)),
                 Err(StoreError::LeaseLost { .. })
@@ -2117,7 +2129,8 @@ mod tests {
         );
         drop(lock);
         // Once the other writer is gone, the same call works and nothing was lost.
-        s.acquire_lease("distributor/g", "me", Duration::from_secs(5)).unwrap();
+        s.acquire_lease("distributor/g", "me", Duration::from_secs(5))
+            .unwrap();
         assert_eq!(s.events_of_group("g", 10).unwrap().len(), 1);
     });
 

@@ -12,9 +12,9 @@ use lbscale_engine::cloud::Clouds;
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
 };
+use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
 use lbscale_engine::store::NodeState;
 use lbscale_engine::{Engine, EngineError};
-use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest,

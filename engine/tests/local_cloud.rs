@@ -135,8 +135,12 @@ async fn a_publication_under_a_lost_lease_is_refused() {
         .unwrap()
         .distributors;
     let mut one = Publication::default();
-    one.endpoints.insert("az1".into(), vec!["127.63.9.1".into()]);
-    driver.publish_fenced(&id, &spec, &one, 1_000).await.unwrap();
+    one.endpoints
+        .insert("az1".into(), vec!["127.63.9.1".into()]);
+    driver
+        .publish_fenced(&id, &spec, &one, 1_000)
+        .await
+        .unwrap();
     let e = driver
         .publish_fenced(&id, &spec, &Publication::default(), 999)
         .await

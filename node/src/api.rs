@@ -43,7 +43,9 @@ pub fn incoming(
                         let _ = conns.send(Ok(s)).await;
                     }
                     Ok(Err(e)) => tracing::warn!(%peer, error = %e, "api: TLS handshake refused"),
-                    Err(_) => tracing::warn!(%peer, "api: TLS handshake not done within {HANDSHAKE_TIMEOUT:?}"),
+                    Err(_) => {
+                        tracing::warn!(%peer, "api: TLS handshake not done within {HANDSHAKE_TIMEOUT:?}")
+                    }
                 }
             });
             if tx.is_closed() {

@@ -54,9 +54,18 @@ async fn a_client_without_the_engines_certificate_is_refused() {
     let other = auth::node_credentials(SECRET, "web-az1-2-bbbb").unwrap();
     let foreign = GroupCa::derive(&"f".repeat(64)).unwrap();
     for (what, client) in [
-        ("the node's own certificate", Some((own.cert_pem, own.key_pem))),
-        ("another node's certificate", Some((other.cert_pem, other.key_pem))),
-        ("another group's engine", Some(foreign.issue_engine().unwrap())),
+        (
+            "the node's own certificate",
+            Some((own.cert_pem, own.key_pem)),
+        ),
+        (
+            "another node's certificate",
+            Some((other.cert_pem, other.key_pem)),
+        ),
+        (
+            "another group's engine",
+            Some(foreign.issue_engine().unwrap()),
+        ),
         ("no certificate", None),
     ] {
         let refused = match api_channel(addr, "web-az1-1-aaaa", &ca.cert_pem(), client).await {
@@ -77,7 +86,10 @@ async fn a_client_without_the_engines_certificate_is_refused() {
     }
     // The engine's certificate, with the same token: answered.
     let c = api_client_with(addr, "web-az1-1-aaaa", Some(&token)).await;
-    assert_eq!(stats(c).await.expect("the engine is answered"), "web-az1-1-aaaa");
+    assert_eq!(
+        stats(c).await.expect("the engine is answered"),
+        "web-az1-1-aaaa"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,9 +97,15 @@ async fn another_nodes_token_is_refused() {
     let _node = start("tls-token", "web-az1-1-cccc", "127.77.20.2", 7070, &[]);
     let addr = "127.77.20.2:7070";
     for (what, token) in [
-        ("another node's token", auth::node_token(SECRET, "web-az1-2-dddd")),
+        (
+            "another node's token",
+            auth::node_token(SECRET, "web-az1-2-dddd"),
+        ),
         ("the group secret", SECRET.to_string()),
-        ("another group's token for this node", auth::node_token(&"f".repeat(64), "web-az1-1-cccc")),
+        (
+            "another group's token for this node",
+            auth::node_token(&"f".repeat(64), "web-az1-1-cccc"),
+        ),
     ] {
         let e = stats(api_client_with(addr, "web-az1-1-cccc", Some(&token)).await)
             .await
@@ -116,24 +134,48 @@ async fn a_call_to_another_address_of_the_node_is_refused() {
         &["--api-address", "127.77.20.3"],
     );
     let token = auth::node_token(SECRET, "web-az1-1-eeee");
-    let c = api_client_with(&format!("127.77.20.4:{port}"), "web-az1-1-eeee", Some(&token)).await;
+    let c = api_client_with(
+        &format!("127.77.20.4:{port}"),
+        "web-az1-1-eeee",
+        Some(&token),
+    )
+    .await;
     let e = stats(c).await.expect_err("a call made to another address");
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
     assert!(e.message().contains("127.77.20.3"), "{e}");
-    let c = api_client_with(&format!("127.77.20.3:{port}"), "web-az1-1-eeee", Some(&token)).await;
-    assert_eq!(stats(c).await.expect("its private address"), "web-az1-1-eeee");
+    let c = api_client_with(
+        &format!("127.77.20.3:{port}"),
+        "web-az1-1-eeee",
+        Some(&token),
+    )
+    .await;
+    assert_eq!(
+        stats(c).await.expect("its private address"),
+        "web-az1-1-eeee"
+    );
 
     // Listening on every address without being told its own: refused at start.
     let dir = tmpdir("tls-address-missing");
     let files = api_files(&dir, "web-az1-1-ffff", None);
     let out = std::process::Command::new(BIN)
-        .args(["serve", "--node-id", "x", "--listen-ip", "0.0.0.0", "--api-port", "1"])
+        .args([
+            "serve",
+            "--node-id",
+            "x",
+            "--listen-ip",
+            "0.0.0.0",
+            "--api-port",
+            "1",
+        ])
         .args(["--memory-limit-mb", "64"])
         .args(&files)
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--api-address"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--api-address"),
+        "{err}"
+    );
 }
 
 /// The engine's client dials a node's address for a node id: it refuses a

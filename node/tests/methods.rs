@@ -285,11 +285,14 @@ async fn read_line(s: &mut tokio::net::TcpStream) -> Option<String> {
 }
 
 async fn stats_of(cl: &mut Client, service: &str) -> Option<lbscale_proto::ServiceStats> {
-    let s = tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest::default()))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner();
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.get_stats(StatsRequest::default()),
+    )
+    .await
+    .expect("GetStats within 5 s")
+    .expect("GetStats")
+    .into_inner();
     s.services.into_iter().find(|x| x.service == service)
 }
 

@@ -83,11 +83,14 @@ async fn configure(cl: &mut Client, version: u64, v: Vserver) {
 }
 
 async fn stats(cl: &mut Client) -> NodeStats {
-    tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest::default()))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner()
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.get_stats(StatsRequest::default()),
+    )
+    .await
+    .expect("GetStats within 5 s")
+    .expect("GetStats")
+    .into_inner()
 }
 
 fn service<'a>(st: &'a NodeStats, name: &str) -> &'a ServiceStats {

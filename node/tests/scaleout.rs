@@ -152,11 +152,14 @@ async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
 
 async fn stats(ip: &str) -> NodeStats {
     let mut cl = api_client(ip).await;
-    tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest::default()))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner()
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.get_stats(StatsRequest::default()),
+    )
+    .await
+    .expect("GetStats within 5 s")
+    .expect("GetStats")
+    .into_inner()
 }
 
 /// Opens a TCP connection and returns it with its first line (the backend's view

@@ -296,7 +296,11 @@ async fn http_round_robin_weights_and_disabled() {
     .await;
     assert_eq!(http_get(vip, "/").await.status, 503);
 
-    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+    let st = cl
+        .get_stats(StatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(st.config_version, 3);
 }
 
@@ -466,7 +470,11 @@ async fn tcp_relay_round_robin_and_bind_failure() {
         "message: {}",
         e.message()
     );
-    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+    let st = cl
+        .get_stats(StatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(
         st.config_version, 1,
         "the failed configuration is not applied"
@@ -523,7 +531,11 @@ async fn stats_and_drain() {
     // Throughput is measured over ~1 s windows: wait for a window with the traffic.
     let start = Instant::now();
     let st = loop {
-        let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+        let st = cl
+            .get_stats(StatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
         if st.throughput_mbps > 0.0 || start.elapsed() > Duration::from_secs(3) {
             break st;
         }
@@ -568,7 +580,11 @@ async fn stats_and_drain() {
         d.active_connections, 1,
         "the held TCP connection is still active"
     );
-    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+    let st = cl
+        .get_stats(StatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(st.state, "draining");
     assert!(
         TcpStream::connect("127.77.4.1:8080").await.is_err(),
@@ -592,7 +608,11 @@ async fn stats_and_drain() {
     assert!(matches!(closed, Ok(0) | Err(_)));
     let start = Instant::now();
     loop {
-        let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+        let st = cl
+            .get_stats(StatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
         if st.state == "drained" {
             assert_eq!(st.active_connections, 0);
             break;
@@ -672,7 +692,11 @@ async fn slow_start_cap_limits_a_service() {
     );
     assert!(nb >= 150 - allowed);
     // The stats show the cap in force, and that it is not a slow-start ramp.
-    let st = cl.get_stats(StatsRequest::default()).await.unwrap().into_inner();
+    let st = cl
+        .get_stats(StatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     let new = st.services.iter().find(|s| s.service == "new").unwrap();
     assert_eq!(new.cap_per_second, 5.0);
     assert!(

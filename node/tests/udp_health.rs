@@ -73,11 +73,14 @@ async fn query(vip: &str, msg: &str, wait: Duration) -> Option<String> {
 }
 
 async fn health(cl: &mut Client, service: &str) -> String {
-    let st = tokio::time::timeout(Duration::from_secs(5), cl.get_stats(StatsRequest::default()))
-        .await
-        .expect("GetStats within 5 s")
-        .expect("GetStats")
-        .into_inner();
+    let st = tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.get_stats(StatsRequest::default()),
+    )
+    .await
+    .expect("GetStats within 5 s")
+    .expect("GetStats")
+    .into_inner();
     st.services
         .iter()
         .find(|s| s.service == service)

@@ -5,7 +5,7 @@
 //! store.
 
 use crate::common::*;
-use lbscale_cloud_azure::credentials::{ClientSecret, Choice};
+use lbscale_cloud_azure::credentials::{Choice, ClientSecret};
 use lbscale_cloud_azure::{http::Url, AzureSettings};
 use serde::{Deserialize, Serialize};
 use tf_provider::schema::{AttributeType, NestedBlock};
@@ -86,7 +86,11 @@ pub fn settings(block: &Value<Vec<AzureBlock>>, diags: &mut Diagnostics) -> Opti
                 secret: secret.clone(),
             }),
             _ => {
-                let missing = if tenant_id.is_none() { "tenant_id" } else { "client_id" };
+                let missing = if tenant_id.is_none() {
+                    "tenant_id"
+                } else {
+                    "client_id"
+                };
                 error(
                     diags,
                     at(missing),

@@ -632,4 +632,3 @@ mod tests {
         assert_eq!(candidates("127.9.3.").count(), 253);
     }
 }
-

@@ -337,6 +337,9 @@ async fn a_recorded_pid_that_now_names_another_node_process_is_not_killed() {
         }
         done
     });
-    assert!(exited, "the process the record names outlived its deprovisioning by 5 s");
+    assert!(
+        exited,
+        "the process the record names outlived its deprovisioning by 5 s"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

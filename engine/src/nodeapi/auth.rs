@@ -15,8 +15,8 @@
 
 use hmac::{Hmac, KeyInit, Mac};
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, KeyPair, KeyUsagePurpose, SanType, SerialNumber, PKCS_ED25519,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType, SerialNumber, PKCS_ED25519,
 };
 use sha2::{Digest, Sha256};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -49,7 +49,10 @@ impl std::fmt::Debug for NodeCredentials {
 /// node id may hold '_' or capitals and be longer than a DNS label), so that
 /// it is known before the cloud gives the node an address.
 pub fn node_name(node_id: &str) -> String {
-    format!("{}.node.lbscale", &hex(&Sha256::digest(node_id.as_bytes()))[..40])
+    format!(
+        "{}.node.lbscale",
+        &hex(&Sha256::digest(node_id.as_bytes()))[..40]
+    )
 }
 
 /// The node's bearer token: HMAC-SHA256 of the node id under the group secret,
@@ -68,7 +71,9 @@ pub fn node_credentials(group_secret: &str, node_id: &str) -> Result<NodeCredent
     Ok(NodeCredentials {
         token_file: format!(
             "sha256:{}",
-            hex(&Sha256::digest(node_token(group_secret, node_id).as_bytes()))
+            hex(&Sha256::digest(
+                node_token(group_secret, node_id).as_bytes()
+            ))
         ),
         ca_pem: ca.cert.pem(),
         cert_pem,
@@ -94,7 +99,10 @@ impl GroupCa {
         let mut params = CertificateParams::default();
         params.distinguished_name = dn("lbscale group CA");
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         params.serial_number = Some(SerialNumber::from_slice(&[1]));
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);
         params.not_after = rcgen::date_time_ymd(9999, 12, 31);
@@ -189,7 +197,12 @@ mod tests {
     fn the_same_secret_gives_the_same_ca_and_another_secret_another() {
         let a = GroupCa::derive(SECRET).unwrap().cert_pem();
         assert_eq!(a, GroupCa::derive(SECRET).unwrap().cert_pem());
-        assert_ne!(a, GroupCa::derive(&SECRET.replace('0', "1")).unwrap().cert_pem());
+        assert_ne!(
+            a,
+            GroupCa::derive(&SECRET.replace('0', "1"))
+                .unwrap()
+                .cert_pem()
+        );
     }
 
     #[test]
@@ -210,7 +223,9 @@ mod tests {
     fn node_names_are_dns_names_whatever_the_node_id() {
         let n = node_name("My_Group-eu-west-1a-12-ffff-with-a-rather-long-name-indeed-yes");
         assert!(n.len() < 64 && n.ends_with(".node.lbscale"));
-        assert!(n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.'));
+        assert!(n
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.'));
         assert_ne!(node_name("a"), node_name("b"));
     }
 }

@@ -6,8 +6,8 @@ use super::{new_id, new_token, Engine, EngineError, Result};
 use crate::cloud::Cloud;
 use crate::model::{Finding, Findings, GroupSpec, PathStep};
 use crate::store::{az_lease_key, NodeRow, NodeState, Row};
-use std::collections::BTreeSet;
 use lbscale_core::apply;
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 /// One node as Terraform and the CLI show it: its stored row with the state that
@@ -164,7 +164,10 @@ impl Engine {
         azs.extend(self.store.nodes_of_group(id)?.into_iter().map(|n| n.az));
         let mut az_leases = Vec::new();
         for az in &azs {
-            match self.lease(&az_lease_key(id, az), Instant::now() + budget).await {
+            match self
+                .lease(&az_lease_key(id, az), Instant::now() + budget)
+                .await
+            {
                 Ok(l) => az_leases.push(l),
                 Err(e) => {
                     az_leases.into_iter().for_each(KeptLease::release);

@@ -92,12 +92,13 @@ impl Engine {
         let cloud = self.cloud(spec.cloud)?;
         let seq = self.store.next_node_seq(id)?;
         let node_id = format!("{}-{}-{}-{:04x}", spec.name, az, seq, rand::random::<u16>());
-        let credentials = crate::nodeapi::auth::node_credentials(token, &node_id).map_err(
-            |detail| EngineError::Step {
-                step: "issue the node's credentials",
-                detail,
-            },
-        )?;
+        let credentials =
+            crate::nodeapi::auth::node_credentials(token, &node_id).map_err(|detail| {
+                EngineError::Step {
+                    step: "issue the node's credentials",
+                    detail,
+                }
+            })?;
         // The row exists before the side effect, so that a crash never forgets a node.
         let mut row = NodeRow {
             id: node_id.clone(),

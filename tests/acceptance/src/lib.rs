@@ -486,14 +486,10 @@ provider "lbscale" {{{}
             .get("api_port")
             .and_then(|p| p.as_u64())
             .expect("the node's API port") as u16;
-        let mut c = lbscale_engine::nodeapi::NodeClient::connect(
-            &node.private_ip,
-            port,
-            &node.id,
-            &token,
-        )
-            .await
-            .expect("connect to the node's API");
+        let mut c =
+            lbscale_engine::nodeapi::NodeClient::connect(&node.private_ip, port, &node.id, &token)
+                .await
+                .expect("connect to the node's API");
         c.stats().await.expect("GetStats")
     }
 

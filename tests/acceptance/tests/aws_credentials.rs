@@ -146,7 +146,10 @@ fn the_aws_block_takes_a_profile_of_the_shared_config_files() {
         moto.ca.display()
     );
     let name = unique("awsp");
-    ws.write(&distributor(&name, &format!("{}.lbscale.test", unique("prof"))));
+    ws.write(&distributor(
+        &name,
+        &format!("{}.lbscale.test", unique("prof")),
+    ));
     let env = [
         ("AWS_CONFIG_FILE", config.to_str().unwrap()),
         ("AWS_SHARED_CREDENTIALS_FILE", credentials.to_str().unwrap()),
@@ -156,11 +159,17 @@ fn the_aws_block_takes_a_profile_of_the_shared_config_files() {
         ("AWS_REGION", ""),
         ("AWS_DEFAULT_REGION", ""),
     ];
-    let o = ws.tf_env(&["apply", "-auto-approve", "-no-color", "-input=false"], &env);
+    let o = ws.tf_env(
+        &["apply", "-auto-approve", "-no-color", "-input=false"],
+        &env,
+    );
     assert_eq!(o.code, 0, "terraform apply failed:\n{}", o.all());
     let got = sessions(&moto, &session);
     assert!(
-        !got.is_empty() && got.iter().all(|(arn, ext)| arn == role && ext == "from-profile"),
+        !got.is_empty()
+            && got
+                .iter()
+                .all(|(arn, ext)| arn == role && ext == "from-profile"),
         "{got:?}"
     );
 
@@ -169,7 +178,10 @@ fn the_aws_block_takes_a_profile_of_the_shared_config_files() {
     assert_eq!(o.code, 0, "{}", o.all());
     let missing = [
         ("AWS_CONFIG_FILE", "/nonexistent/lbscale/config"),
-        ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/lbscale/credentials"),
+        (
+            "AWS_SHARED_CREDENTIALS_FILE",
+            "/nonexistent/lbscale/credentials",
+        ),
         ("AWS_REGION", "us-east-1"),
     ];
     let o = ws.tf_env(&["plan", "-no-color", "-input=false"], &missing);
@@ -179,6 +191,9 @@ fn the_aws_block_takes_a_profile_of_the_shared_config_files() {
         "{}",
         o.all()
     );
-    let o = ws.tf_env(&["destroy", "-auto-approve", "-no-color", "-input=false"], &env);
+    let o = ws.tf_env(
+        &["destroy", "-auto-approve", "-no-color", "-input=false"],
+        &env,
+    );
     assert_eq!(o.code, 0, "terraform destroy failed:\n{}", o.all());
 }

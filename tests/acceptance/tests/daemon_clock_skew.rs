@@ -160,9 +160,11 @@ fn a_daemon_with_a_fast_clock_does_not_disturb_an_apply() {
         (20..=35).contains(&ahead),
         "the fast daemon's clock is {ahead} s ahead"
     );
-    wait_for("the fast daemon to own the group", Duration::from_secs(30), || {
-        (fast.group("skewap")["owner"].as_str() == Some("self")).then_some(())
-    });
+    wait_for(
+        "the fast daemon to own the group",
+        Duration::from_secs(30),
+        || (fast.group("skewap")["owner"].as_str() == Some("self")).then_some(()),
+    );
     let group = ws.resource("lbscale_autoscale_group.g")["id"]
         .as_str()
         .expect("the group's id")
@@ -172,7 +174,11 @@ fn a_daemon_with_a_fast_clock_does_not_disturb_an_apply() {
     ws.write(&config.replace("min_nodes              = 1", "min_nodes              = 2"));
     ws.apply();
     let after = node_ids(&ws, &group);
-    assert_eq!(after.len(), 2, "the apply brought the group to 2 nodes: {after:?}");
+    assert_eq!(
+        after.len(),
+        2,
+        "the apply brought the group to 2 nodes: {after:?}"
+    );
     assert!(
         before.iter().all(|n| after.contains(n)),
         "a node of before the apply is gone: {before:?} -> {after:?}"
@@ -182,10 +188,21 @@ fn a_daemon_with_a_fast_clock_does_not_disturb_an_apply() {
     let events = ws.engine().events(&group, 1000).unwrap();
     let bad: Vec<_> = events
         .iter()
-        .filter(|e| ["node_failed", "node_removed", "scale_in", "scale_out_failed"].contains(&e.kind.as_str()))
+        .filter(|e| {
+            [
+                "node_failed",
+                "node_removed",
+                "scale_in",
+                "scale_out_failed",
+            ]
+            .contains(&e.kind.as_str())
+        })
         .map(|e| format!("{} {}", e.kind, e.reason))
         .collect();
-    assert!(bad.is_empty(), "the fast daemon disturbed the apply: {bad:?}");
+    assert!(
+        bad.is_empty(),
+        "the fast daemon disturbed the apply: {bad:?}"
+    );
     assert_eq!(node_ids(&ws, &group), after);
     fast.stop();
     ws.destroy();

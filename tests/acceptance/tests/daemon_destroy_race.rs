@@ -56,7 +56,9 @@ fn node_dirs(ws: &Workspace) -> Vec<String> {
             if !p.is_dir() {
                 continue;
             }
-            if d.file_name().is_some_and(|n| n == "nodes") && d.parent().is_some_and(|p| p.ends_with("local")) {
+            if d.file_name().is_some_and(|n| n == "nodes")
+                && d.parent().is_some_and(|p| p.ends_with("local"))
+            {
                 out.push(p.display().to_string());
             } else {
                 stack.push(p);
@@ -86,10 +88,7 @@ fn destroy_while_the_daemon_scales_out_leaves_nothing_ten_times() {
             Duration::from_secs(60),
             || {
                 let events = ws.engine().events(&group, 1000).ok()?;
-                events
-                    .iter()
-                    .any(|e| e.kind == "scale_out")
-                    .then_some(())
+                events.iter().any(|e| e.kind == "scale_out").then_some(())
             },
         );
         std::thread::sleep(Duration::from_millis(150 * (round as u64 % 5)));
@@ -103,10 +102,17 @@ fn destroy_while_the_daemon_scales_out_leaves_nothing_ten_times() {
         ws.assert_nothing_left(&[]);
         // The daemon keeps running a little: nothing of the group comes back.
         std::thread::sleep(Duration::from_secs(2));
-        assert!(ws.processes().is_empty(), "round {round}: {:?}", ws.processes());
+        assert!(
+            ws.processes().is_empty(),
+            "round {round}: {:?}",
+            ws.processes()
+        );
         assert_eq!(store.rows_mentioning(&group).unwrap(), 0, "round {round}");
         let dirs = node_dirs(&ws);
-        assert!(dirs.is_empty(), "round {round}: node directories left: {dirs:?}");
+        assert!(
+            dirs.is_empty(),
+            "round {round}: node directories left: {dirs:?}"
+        );
         daemon.stop();
     }
 }

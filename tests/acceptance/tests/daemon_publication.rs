@@ -123,7 +123,10 @@ fn a_failed_publication_is_finished_by_the_daemon_within_two_stats_intervals() {
     let broken = Unwritable::make(file.clone());
     ws.write(&config(2));
     let o = ws.tf(&["apply", "-auto-approve", "-no-color", "-input=false"]);
-    assert_ne!(o.code, 0, "the apply published through an unwritable distributor");
+    assert_ne!(
+        o.code, 0,
+        "the apply published through an unwritable distributor"
+    );
     let active: Vec<String> = ws
         .engine()
         .node_rows(&group)
@@ -161,23 +164,27 @@ fn a_failed_publication_is_finished_by_the_daemon_within_two_stats_intervals() {
         "the dead node's row is kept until DNS is without it"
     );
     let restored = broken.restore();
-    wait_for(
-        "DNS to drop the dead node after the restore",
-        bound,
-        || (!dig(&dns, domain).contains(&dead.private_ip)).then_some(()),
-    );
+    wait_for("DNS to drop the dead node after the restore", bound, || {
+        (!dig(&dns, domain).contains(&dead.private_ip)).then_some(())
+    });
     println!(
         "dead node dropped {:.1} s after the restore (stats interval {INTERVAL_S} s)",
         restored.elapsed().as_secs_f64()
     );
     // Then forgotten and replaced up to min_nodes.
-    wait_for("the dead node's row to go (after the failed resume's back-off)", Duration::from_secs(90), || {
-        let rows = ws.engine().node_rows(&group).ok()?;
-        rows.iter().all(|n| n.id != dead.id).then_some(())
-    });
-    wait_for("DNS to answer two nodes again", Duration::from_secs(60), || {
-        (dig(&dns, domain).len() == 2).then_some(())
-    });
+    wait_for(
+        "the dead node's row to go (after the failed resume's back-off)",
+        Duration::from_secs(90),
+        || {
+            let rows = ws.engine().node_rows(&group).ok()?;
+            rows.iter().all(|n| n.id != dead.id).then_some(())
+        },
+    );
+    wait_for(
+        "DNS to answer two nodes again",
+        Duration::from_secs(60),
+        || (dig(&dns, domain).len() == 2).then_some(()),
+    );
     daemon.stop();
     ws.assert_plan_empty("the daemon repaired the group");
     ws.destroy();

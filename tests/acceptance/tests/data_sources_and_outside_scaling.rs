@@ -123,7 +123,12 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
     // Repeats of one event (as a resume that keeps failing records) are one
     // event with a count, in the data source and in `lbscale events`.
     for _ in 0..3 {
-        engine.record_event(&group_id, None, "resume_failed", "resuming (test) failed: test");
+        engine.record_event(
+            &group_id,
+            None,
+            "resume_failed",
+            "resuming (test) failed: test",
+        );
     }
     let repeats = ws.outputs()["repeats"]["value"].clone();
     let repeats = repeats.as_array().unwrap();
@@ -131,11 +136,21 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
     let r = repeats[0].as_str().unwrap();
     assert!(r.starts_with("resume_failed 3 20"), "{r}");
     let table = Command::new(bin_dir().join("lbscale"))
-        .args(["events", "--state", "sqlite://.lbscale/state.db", "--group", "ds"])
+        .args([
+            "events",
+            "--state",
+            "sqlite://.lbscale/state.db",
+            "--group",
+            "ds",
+        ])
         .current_dir(&ws.dir)
         .output()
         .unwrap();
-    assert!(table.status.success(), "{}", String::from_utf8_lossy(&table.stderr));
+    assert!(
+        table.status.success(),
+        "{}",
+        String::from_utf8_lossy(&table.stderr)
+    );
     let table = String::from_utf8_lossy(&table.stdout);
     let header = table.lines().next().unwrap();
     assert!(header.contains("COUNT"), "{table}");

@@ -48,10 +48,25 @@ output "dns" {{ value = module.shop.dns }}
     }
     // Neither the group's secret nor a node's private key is in the state.
     let state = std::fs::read_to_string(ws.dir.join("terraform.tfstate")).unwrap();
-    let group_id = ws.engine().group_named("fleet").unwrap().expect("the group").id;
-    let secret = ws.store().group_token(&group_id).unwrap().expect("its secret");
-    assert!(!state.contains(&secret), "the group's secret is in the state");
-    assert!(!state.contains("PRIVATE KEY"), "a private key is in the state");
+    let group_id = ws
+        .engine()
+        .group_named("fleet")
+        .unwrap()
+        .expect("the group")
+        .id;
+    let secret = ws
+        .store()
+        .group_token(&group_id)
+        .unwrap()
+        .expect("its secret");
+    assert!(
+        !state.contains(&secret),
+        "the group's secret is in the state"
+    );
+    assert!(
+        !state.contains("PRIVATE KEY"),
+        "a private key is in the state"
+    );
     ws.assert_plan_empty("the fleet module");
     ws.destroy();
     ws.assert_nothing_left(&[]);

@@ -86,9 +86,11 @@ resource "lbscale_vserver" "dns" {{
         .as_str()
         .expect("the node's address")
         .to_string();
-    let first = wait_for("the node to relay a datagram", Duration::from_secs(15), || {
-        ask(&ip, port, "hello")
-    });
+    let first = wait_for(
+        "the node to relay a datagram",
+        Duration::from_secs(15),
+        || ask(&ip, port, "hello"),
+    );
     assert_eq!(first, "udp1:hello");
     // Past the time a TCP connect check would have marked the service DOWN.
     std::thread::sleep(Duration::from_secs(6));
