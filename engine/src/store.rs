@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -104,6 +104,13 @@ const MIGRATIONS: &[&str] = &[
     // next destroy) finishes the deletion instead of bringing it back up.
     r#"
     ALTER TABLE groups ADD COLUMN deleting INTEGER NOT NULL DEFAULT 0;
+    "#,
+    // 7 -> 8: the fence of the group's node configurations, raised (fenced by
+    // the pusher's lease) before each configuration is read: a node refuses a
+    // configuration with a lower one than it applied (see
+    // [`Store::next_config_fence`]).
+    r#"
+    ALTER TABLE groups ADD COLUMN config_fence INTEGER NOT NULL DEFAULT 0;
     "#,
 ];
 
@@ -1079,6 +1086,37 @@ impl Store {
             )
         })
         .map(|v| v as u64)
+    }
+    /// The next fence of the configurations pushed to group `group_id`'s
+    /// nodes, taken under `lease` in the statement itself (a holder that lost
+    /// its lease gets none: [`StoreError::LeaseLost`]). Take it before reading
+    /// what the configuration holds: a configuration with a higher fence was
+    /// read after every write made under a lower one, so a node that keeps the
+    /// highest fence it applied never goes back to an older configuration. At
+    /// least the database's clock in ms, so that a store restored from a
+    /// backup still moves past what its nodes have seen.
+    pub fn next_config_fence(&self, group_id: &str, lease: &Lease) -> Result<u64> {
+        let next = self.with(|c| {
+            c.one(
+                &format!(
+                    "UPDATE groups SET config_fence = CASE WHEN config_fence + 1 > {NOW_MS}
+                       THEN config_fence + 1 ELSE {NOW_MS} END
+                     WHERE id = ?1 AND {} RETURNING config_fence",
+                    fence_clause(2)
+                ),
+                vals![group_id, &lease.group_id, &lease.holder, lease.fence],
+            )?
+            .map(|r| r.int(0))
+            .transpose()
+        })?;
+        match next {
+            Some(f) => Ok(f as u64),
+            None => {
+                // No row written: the lease is lost, or the group is gone.
+                self.check_lease(lease)?;
+                Err(StoreError::GroupGone(group_id.to_string()))
+            }
+        }
     }
     pub fn config_version(&self, group_id: &str) -> Result<u64> {
         self.with(|c| {
