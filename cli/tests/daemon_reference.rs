@@ -182,6 +182,24 @@ fn help_and_reference_list_the_same_variables() {
     }
 }
 
+#[test]
+fn help_lists_every_variable_the_azure_driver_reads() {
+    // The daemon builds its azure driver from the environment alone, so a
+    // variable the driver reads and the help omits is a setting nobody can find.
+    let in_help = help_variables(&help());
+    let read: Vec<&str> = lbscale_cloud_azure::ENV_VARIABLES
+        .iter()
+        .chain(lbscale_cloud_azure::credentials::VARIABLES)
+        .copied()
+        .collect();
+    assert!(read.len() >= 19, "the azure driver reads only {read:?}?");
+    let missing: Vec<&&str> = read.iter().filter(|v| !in_help.contains(**v)).collect();
+    assert!(
+        missing.is_empty(),
+        "the azure driver reads {missing:?}, which lbscale daemon --help does not list"
+    );
+}
+
 // --- a running daemon ---------------------------------------------------------
 
 fn free_port() -> u16 {

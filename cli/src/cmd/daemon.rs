@@ -87,6 +87,32 @@ environment:
                              metadata.google.internal
   LBSCALE_GCP_ENDPOINT       gcp cloud: one endpoint for Compute Engine and Cloud DNS
   LBSCALE_GCP_CA_BUNDLE      gcp cloud: PEM file of the CAs to trust instead of the system's
+  ARM_SUBSCRIPTION_ID        azure cloud: the subscription (else AZURE_SUBSCRIPTION_ID)
+  AZURE_SUBSCRIPTION_ID      azure cloud: the subscription when ARM_SUBSCRIPTION_ID is unset
+  LBSCALE_AZURE_RESOURCE_GROUP  azure cloud: the resource group of what lbscale makes
+  LBSCALE_AZURE_LOCATION     azure cloud: the region (location) of VMs and load balancers
+  ARM_CLIENT_SECRET          azure cloud: a service principal's secret, first in the
+                             credential chain (with ARM_TENANT_ID and ARM_CLIENT_ID)
+  ARM_TENANT_ID              azure cloud: the tenant of that secret or identity
+  ARM_CLIENT_ID              azure cloud: the client id of that secret or identity
+  AZURE_CLIENT_SECRET        azure cloud: a secret when ARM_CLIENT_SECRET is unset
+                             (with AZURE_TENANT_ID and AZURE_CLIENT_ID)
+  AZURE_TENANT_ID            azure cloud: the tenant when the ARM_ one is unset
+  AZURE_CLIENT_ID            azure cloud: the client id when the ARM_ one is unset
+  AZURE_FEDERATED_TOKEN_FILE  azure cloud: workload identity's token file, after a secret
+  ARM_OIDC_TOKEN_FILE_PATH   azure cloud: that file when AZURE_FEDERATED_TOKEN_FILE is unset
+  ARM_USE_MSI                azure cloud: true takes the managed identity, skipping the rest
+  AZURE_AUTHORITY_HOST       azure cloud: the login endpoint; default
+                             https://login.microsoftonline.com
+  AZURE_POD_IDENTITY_AUTHORITY_HOST  azure cloud: the instance metadata endpoint
+                             (managed identity, last in the chain); default
+                             http://169.254.169.254
+  LBSCALE_AZURE_ENDPOINT     azure cloud: Azure Resource Manager's URL; default
+                             https://management.azure.com
+  LBSCALE_AZURE_CA_BUNDLE    azure cloud: PEM file of the CAs to trust instead of the system's
+  LBSCALE_AZURE_IMAGE        azure cloud: the nodes' image when a group's node.image is unset
+  LBSCALE_AZURE_VM_SIZE      azure cloud: the nodes' VM size when node.size is unset;
+                             default Standard_D2s_v5
   LBSCALE_EVENTS_MAX_PER_GROUP  events kept per group; default 1000
   LBSCALE_EVENTS_MAX_AGE     how long an event is kept; default 720h
 ";

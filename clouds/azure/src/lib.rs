@@ -61,6 +61,20 @@ pub struct AzureSettings {
     pub size: Option<String>,
 }
 
+/// Every variable [`AzureSettings::from_env`] reads (`lbscale daemon --help`
+/// lists them; cli/tests/daemon_reference.rs checks that it does).
+pub const ENV_VARIABLES: &[&str] = &[
+    "ARM_SUBSCRIPTION_ID",
+    "AZURE_SUBSCRIPTION_ID",
+    "LBSCALE_AZURE_RESOURCE_GROUP",
+    "LBSCALE_AZURE_LOCATION",
+    "LBSCALE_AZURE_ENDPOINT",
+    "LBSCALE_AZURE_CA_BUNDLE",
+    "LBSCALE_AZURE_IMAGE",
+    "LBSCALE_AZURE_VM_SIZE",
+    "ARM_USE_MSI",
+];
+
 impl AzureSettings {
     /// From the environment: `ARM_SUBSCRIPTION_ID` (or `AZURE_SUBSCRIPTION_ID`),
     /// lbscale's `LBSCALE_AZURE_RESOURCE_GROUP`, `LBSCALE_AZURE_LOCATION`,
@@ -68,7 +82,10 @@ impl AzureSettings {
     /// `LBSCALE_AZURE_IMAGE`, `LBSCALE_AZURE_VM_SIZE`, and the credential
     /// chain's variables ([`credentials`]).
     pub fn from_env() -> AzureSettings {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let var = |k: &str| {
+            debug_assert!(ENV_VARIABLES.contains(&k), "{k} is not in ENV_VARIABLES");
+            std::env::var(k).ok().filter(|v| !v.is_empty())
+        };
         AzureSettings {
             subscription_id: var("ARM_SUBSCRIPTION_ID").or_else(|| var("AZURE_SUBSCRIPTION_ID")),
             resource_group: var("LBSCALE_AZURE_RESOURCE_GROUP"),
