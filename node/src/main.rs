@@ -80,13 +80,15 @@ node options (serve, standalone):
                            of the request (HTTP; default 60000; 504 after)
   --max-request-header-bytes N  a request's line and headers may take N bytes
                            (HTTP; default 32768, at least 8192; 431 past it)
+  --threads N              threads that serve traffic (default: one per core the
+                           process may run on; 1: one event loop, as HAProxy's nbthread 1)
 
 The node raises its soft open-files limit to the hard one, keeps an eighth of
 it (at least 128) for its API and checks, and admits connections and UDP flows
 only within the rest.
 ";
 
-const NODE_OPTS: [&str; 9] = [
+const NODE_OPTS: [&str; 10] = [
     "service-drain-timeout-ms",
     "persistence-timeout-ms",
     "health-interval-ms",
@@ -96,6 +98,7 @@ const NODE_OPTS: [&str; 9] = [
     "connect-timeout-ms",
     "response-header-timeout-ms",
     "max-request-header-bytes",
+    "threads",
 ];
 
 fn node_opts(a: &Args) -> anyhow::Result<node::NodeOpts> {
@@ -483,15 +486,29 @@ fn main() {
             std::process::exit(2);
         }
     };
-    // One core available (e.g. `taskset -c 1`): a current-thread runtime, which
-    // saves the multi-thread scheduler's cross-thread wake-ups and atomics.
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let mut builder = if cores == 1 {
+    // One core available (e.g. `taskset -c 1`) or one thread asked for: a
+    // current-thread runtime, which saves the multi-thread scheduler's
+    // cross-thread wake-ups and atomics.
+    let threads = match a.get("threads") {
+        Ok(v) => {
+            match v.parse::<usize>() {
+                Ok(n) if n >= 1 => n,
+                _ => {
+                    eprintln!("lbscale-node: --threads must be a whole number, 1 or more, got {v:?}\n{USAGE}");
+                    std::process::exit(2);
+                }
+            }
+        }
+        Err(_) => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+    };
+    let mut builder = if threads == 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {
-        tokio::runtime::Builder::new_multi_thread()
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
     };
     let rt = builder.enable_all().build().expect("tokio runtime");
     let r = rt.block_on(run(cmd.to_string(), a));
