@@ -41,14 +41,14 @@ const LINGER_BYTES: usize = 1 << 20;
 /// A cancellation one task waits for: its future is polled once (which
 /// registers the task's waker), after that only the token's flag is read, so
 /// that waiting costs no lock per poll.
-struct Watch {
+pub(crate) struct Watch {
     token: CancellationToken,
     fut: Pin<Box<WaitForCancellationFutureOwned>>,
     armed: bool,
 }
 
 impl Watch {
-    fn new(token: &CancellationToken) -> Self {
+    pub(crate) fn new(token: &CancellationToken) -> Self {
         Watch {
             token: token.clone(),
             fut: Box::pin(token.clone().cancelled_owned()),
@@ -56,7 +56,7 @@ impl Watch {
         }
     }
 
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if self.armed {
             // The waker registered at the first poll is this task's, the same
             // one at every poll: the cancel wakes it.

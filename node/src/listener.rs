@@ -2,6 +2,7 @@
 //! PROXY header of a group peer, then forwarded to a scale-out secondary or
 //! served here by its protocol (see `scaleout` for the rules).
 
+use std::future::poll_fn;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::bounds::{Backoff, Refusals};
+use crate::http::Watch;
 use crate::model::{Kind, Vserver};
 use crate::persist::Persistence;
 use crate::proxy_protocol::{proxy_header, read_proxy_header};
@@ -124,12 +126,14 @@ async fn forward(
     let _g = vs.traffic.connection();
     let _ = client.set_nodelay(true);
     let _ = up.set_nodelay(true);
-    let kill = peer.kill_token();
+    let mut kill = Watch::new(&peer.kill_token());
+    let mut node_kill = Watch::new(&vs.kill);
     let _active = peer.track();
     tokio::select! {
+        biased;
         _ = crate::tcp::relay(client, up, &vs.traffic, None) => {}
-        _ = kill.cancelled() => {}
-        _ = vs.kill.cancelled() => {}
+        _ = poll_fn(|cx| kill.poll(cx)) => {}
+        _ = poll_fn(|cx| node_kill.poll(cx)) => {}
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! L4 TCP relay: vservers of type TCP, and a primary's forwarded connections.
 
+use std::future::poll_fn;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -11,6 +12,7 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use crate::http::Watch;
 use crate::metrics::Traffic;
 use crate::model::Vserver;
 use crate::service::ServiceRt;
@@ -104,11 +106,15 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     let rt = st.services[idx].rt.clone();
     drop(st);
     rt.active.fetch_add(1, Ordering::Relaxed);
-    let rkill = rt.kill_token();
+    // The relay first, and the cancellations as flags once registered: no
+    // lock per wake-up (see `Watch`).
+    let mut rkill = Watch::new(&rt.kill_token());
+    let mut kill = Watch::new(&vs.kill);
     tokio::select! {
-        _ = rkill.cancelled() => {}
+        biased;
         _ = relay(client, backend, &vs.traffic, rt.track_traffic.load(Ordering::Relaxed).then(|| rt.clone())) => {}
-        _ = vs.kill.cancelled() => {}
+        _ = poll_fn(|cx| rkill.poll(cx)) => {}
+        _ = poll_fn(|cx| kill.poll(cx)) => {}
     }
     rt.active.fetch_sub(1, Ordering::Relaxed);
 }
