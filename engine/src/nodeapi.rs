@@ -18,6 +18,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 pub enum NodeApiError {
     #[error("node management API at {addr} unreachable: {detail}")]
     Unreachable { addr: String, detail: String },
+    /// The node applied a configuration with a higher fence (`Aborted`).
+    #[error("node at {addr} has a newer configuration: {message}")]
+    Superseded { addr: String, message: String },
     #[error("node at {addr} refused {call}: {status}: {message}")]
     Refused {
         addr: String,
@@ -98,6 +101,12 @@ impl NodeClient {
             return NodeApiError::Unreachable {
                 addr: self.addr.clone(),
                 detail: s.message().to_string(),
+            };
+        }
+        if s.code() == tonic::Code::Aborted {
+            return NodeApiError::Superseded {
+                addr: self.addr.clone(),
+                message: s.message().to_string(),
             };
         }
         NodeApiError::Refused {

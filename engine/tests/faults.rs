@@ -666,7 +666,7 @@ async fn an_interrupted_create_is_adopted_by_name_and_settings() {
     assert!(e.to_string().contains("already exists"), "{e}");
 
     let vs: lbscale_engine::model::VserverSpec = serde_json::from_value(serde_json::json!({
-        "name": "flt-adopt-vs", "se_group_id": se_id, "service_type": "tcp", "port": 18990,
+        "name": "flt-adopt-vs", "se_group_id": se_id, "service_type": "TCP", "port": 18990,
         "lb_method": "round_robin", "persistence": "none", "slow_start": null,
         "services": [{"name": "b1", "address": "127.0.0.1", "port": 18991, "weight": 1, "enabled": true}],
     }))
@@ -1028,4 +1028,116 @@ async fn a_drain_whose_connections_are_read_after_an_error_ends_as_drained() {
     let seen = scale_in_through(&s, "127.75.250.2", Some(&api)).await;
     assert!(seen.reason.ends_with(" drained"), "{}", seen.reason);
     assert!(api.calls.load(Ordering::SeqCst) >= 2);
+}
+
+/// A holder that lost the group's lease unawares (its renewal has not noticed
+/// yet) cannot put the configuration it read back on a node over the newer
+/// holder's: a configuration fence is taken only under a live lease, the node
+/// refuses one lower than the highest it applied, and a store whose fences
+/// went back (restored from a backup) still moves past what the nodes saw,
+/// since a fence is at least the database's clock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_configuration_read_under_a_lost_lease_never_lands_on_a_node() {
+    use lbscale_engine::nodeapi::{NodeApiError, NodeClient};
+    use lbscale_engine::store::{Store, StoreError};
+
+    let s = Stack::up("flt_fence", "127.66.").await;
+    let other = Store::open_url(
+        &format!("sqlite://{}", s.dir.join("state.db").display()),
+        &s.dir,
+    )
+    .unwrap();
+    let node = s.rows().remove(0);
+    let token = other
+        .group_token(&s.group)
+        .unwrap()
+        .expect("the group's token");
+    let listens =
+        |port: u16| std::net::TcpStream::connect((node.private_ip.as_str(), port)).is_ok();
+
+    // Another process took the group's lease and a fence, then lost the lease.
+    let before_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let stale = other
+        .acquire_lease(&s.group, "stale-holder", Duration::from_millis(100))
+        .unwrap();
+    let stale_fence = other.next_config_fence(&s.group, &stale).unwrap();
+    assert!(
+        stale_fence >= before_ms,
+        "fence {stale_fence} is below the clock ({before_ms} ms)"
+    );
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    match other.next_config_fence(&s.group, &stale) {
+        Err(StoreError::LeaseLost { .. }) => {}
+        r => panic!("a fence under an expired lease: {r:?}"),
+    }
+
+    // The engine (the newer holder) adds a vserver: its push has a higher fence.
+    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
+        "name": "flt-fence-se", "autoscale_group_id": s.group, "scaling_mode": "native",
+        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
+        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
+    }))
+    .unwrap();
+    let se_id = s.engine.create_se_group(&se).await.unwrap();
+    let vserver = |name: &str, port: u16| -> lbscale_engine::model::VserverSpec {
+        serde_json::from_value(serde_json::json!({
+            "name": name, "se_group_id": se_id, "service_type": "TCP", "port": port,
+            "lb_method": "round_robin", "persistence": "none", "slow_start": null,
+            "services": [{"name": "b1", "address": "127.0.0.1", "port": 18971, "weight": 1, "enabled": true}],
+        }))
+        .unwrap()
+    };
+    let mut lower = vserver("flt-fence-lower", 18973);
+    lower.service_type = "tcp".into();
+    let e = s.engine.create_vserver(&lower).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("service_type \"tcp\" is not one of HTTP, TCP or UDP"),
+        "{e}"
+    );
+    s.engine
+        .create_vserver(&vserver("flt-fence-a", 18970))
+        .await
+        .unwrap();
+    let ss = std::process::Command::new("ss")
+        .args(["-ltn"])
+        .output()
+        .unwrap();
+    assert!(listens(18970), "the node does not serve the new vserver");
+
+    // What the stale holder read before (no vservers) is refused and changes nothing.
+    let mut client = NodeClient::connect(&node.private_ip, 9990, &node.id, &token)
+        .await
+        .expect("connect to the node");
+    let e = client
+        .configure(lbscale_proto::NodeConfig {
+            version: 1,
+            fence: stale_fence,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, NodeApiError::Superseded { .. }), "{e}");
+    assert!(listens(18970), "the stale configuration closed the vserver");
+
+    // Restored from a backup: the store's fences went back to nothing. The
+    // next push still lands, above what the node applied.
+    rusqlite_raw(&s.dir, "UPDATE groups SET config_fence = 0");
+    s.engine
+        .create_vserver(&vserver("flt-fence-b", 18972))
+        .await
+        .expect("a push after the fences went back");
+    assert!(
+        listens(18972),
+        "the node did not take the push after the restore"
+    );
+}
+
+/// A statement on the stack's SQLite store, as an operator's restore would.
+fn rusqlite_raw(dir: &std::path::Path, sql: &str) {
+    let c = rusqlite::Connection::open(dir.join("state.db")).unwrap();
+    c.execute_batch(sql).unwrap();
 }

@@ -152,7 +152,7 @@ store_test!(
         }
         // Back to what version 1 wrote: no policy_state table.
         ts.raw(
-            "ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; DROP TABLE policy_state; DROP TABLE vserver_spans; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
+            "ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; DROP TABLE policy_state; DROP TABLE vserver_spans; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert!(
@@ -270,7 +270,7 @@ store_test!(
         }
         // Back to what version 3 wrote: groups without a row version.
         ts.raw(
-            "ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '3' WHERE key = 'schema_version';",
+            "ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '3' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert_eq!(s.group_versions().unwrap(), vec![("g1".to_string(), 1)]);
@@ -369,3 +369,44 @@ store_test!(
         assert_eq!(s.rows_mentioning("g1").unwrap(), 0);
     }
 );
+
+// A group's configuration fences rise under any of its live leases, are at
+// least the database clock's ms (a store restored from a backup still moves
+// past what its nodes applied), and are refused under a lease that is gone.
+store_test!(a_configuration_fence_rises_under_a_live_lease_only, |ts| {
+    let s = ts.open();
+    group(&s, "g1");
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let before = now_ms();
+    let lease = s.acquire_lease("g1", "a", Duration::from_secs(30)).unwrap();
+    let f1 = s.next_config_fence("g1", &lease).unwrap();
+    // The database's clock may be another host's: allow it a second behind.
+    assert!(
+        f1 + 1_000 >= before,
+        "fence {f1} far below the clock {before}"
+    );
+    let f2 = s.next_config_fence("g1", &lease).unwrap();
+    assert!(f2 > f1, "{f2} after {f1}");
+    let az = s
+        .acquire_lease(&az_lease_key("g1", "az1"), "a", Duration::from_secs(30))
+        .unwrap();
+    let f3 = s.next_config_fence("g1", &az).unwrap();
+    assert!(
+        f3 > f2,
+        "an AZ lease's fence {f3} after the group lease's {f2}"
+    );
+    s.release_lease(&az).unwrap();
+    assert!(matches!(
+        s.next_config_fence("g1", &az),
+        Err(StoreError::LeaseLost { .. })
+    ));
+    std::thread::sleep(Duration::from_millis(20));
+    ts.raw("UPDATE groups SET config_fence = 0");
+    let f4 = s.next_config_fence("g1", &lease).unwrap();
+    assert!(f4 > f3, "after the fences went back: {f4}, not above {f3}");
+});

@@ -370,6 +370,7 @@ async fn standalone(a: Args) -> anyhow::Result<()> {
     start_custom_loads(&a, &node);
     node.configure(NodeConfig {
         group_peers: Vec::new(),
+        fence: 0,
         version: 1,
         vservers: vec![Vserver {
             name: "standalone".into(),

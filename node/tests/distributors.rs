@@ -290,6 +290,7 @@ async fn nlb_flow_hash_spreads_flows_over_the_nodes() {
         let mut cl = api_client(ip).await;
         cl.configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 1,
             vservers: vec![Vserver {
                 name: "app".into(),

@@ -24,6 +24,7 @@ async fn configure(cl: &mut Client, m: LbMethod, services: Vec<Service>) {
         Duration::from_secs(5),
         cl.configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 1,
             vservers: vec![Vserver {
                 name: "web".into(),
@@ -309,6 +310,7 @@ async fn removed_service_drains_then_closes() {
     let mut cl = api_client("127.81.5.1").await;
     let tcp_vs = |services: Vec<Service>| NodeConfig {
         group_peers: Vec::new(),
+        fence: 0,
         version: 1,
         vservers: vec![Vserver {
             name: "db".into(),

@@ -74,6 +74,7 @@ async fn configure(cl: &mut Client, version: u64, v: Vserver) {
         cl.configure(NodeConfig {
             version,
             group_peers: Vec::new(),
+            fence: 0,
             vservers: vec![v],
         }),
     )

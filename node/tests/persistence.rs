@@ -60,6 +60,7 @@ async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
             version,
             vservers,
             group_peers,
+            fence: 0,
         }),
     )
     .await

@@ -143,6 +143,7 @@ async fn configure(ip: &str, version: u64, vservers: Vec<Vserver>) {
             version,
             vservers,
             group_peers: test_group_peers(ip),
+            fence: 0,
         }),
     )
     .await
@@ -533,6 +534,7 @@ async fn invalid_scaleout_is_refused() {
     let r = cl
         .configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 1,
             vservers: vec![vserver(
                 "tcp",
@@ -557,6 +559,7 @@ async fn invalid_scaleout_is_refused() {
     let r = cl
         .configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 2,
             vservers: vec![vserver(
                 "tcp",
@@ -573,6 +576,7 @@ async fn invalid_scaleout_is_refused() {
     let r = cl
         .configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 3,
             vservers: vec![vserver(
                 "tcp",

@@ -109,6 +109,7 @@ async fn wrong_or_missing_token_is_refused() {
     let e = bad
         .configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 1,
             vservers: vec![],
         })
@@ -441,6 +442,7 @@ async fn tcp_relay_round_robin_and_bind_failure() {
     let e = cl
         .configure(NodeConfig {
             group_peers: Vec::new(),
+            fence: 0,
             version: 2,
             vservers: vec![
                 vserver(

@@ -58,6 +58,7 @@ fn node_config(
     NodeConfig {
         version,
         group_peers: Vec::new(),
+        fence: 0,
         vservers: vec![Vserver {
             name: "web".into(),
             service_type: ServiceType::Http as i32,

@@ -51,8 +51,35 @@ impl Engine {
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
-        let version = self.store.config_version(&group.id)?;
-        let config = self.node_config(&group.id, version)?;
+        // A node that took a newer workflow's configuration meanwhile refuses
+        // ours: read it again (nodes that run it already are skipped).
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self
+                .push_configs_once(cloud, group, token, leaving, scalein_floor, deadline, lease)
+                .await
+            {
+                Err(EngineError::Superseded(why)) if attempts < 5 => {
+                    tracing::info!(group = %group.id, %why, "configuration superseded; reading it again");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn push_configs_once(
+        &self,
+        cloud: &dyn Cloud,
+        group: &Row<GroupSpec>,
+        token: &str,
+        leaving: &[String],
+        scalein_floor: Duration,
+        deadline: Instant,
+        lease: &KeptLease,
+    ) -> Result<()> {
+        let config = self.fenced_node_config(&group.id, lease)?;
         for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
             if !n.state.is_member() || leaving.contains(&n.id) {
                 continue;
@@ -71,6 +98,22 @@ impl Engine {
             .await?;
         }
         Ok(())
+    }
+
+    /// The group's node configuration under a new fence, taken under `lease`
+    /// before the configuration is read (see [`Store::next_config_fence`]).
+    ///
+    /// [`Store::next_config_fence`]: crate::store::Store::next_config_fence
+    fn fenced_node_config(
+        &self,
+        group_id: &str,
+        lease: &KeptLease,
+    ) -> Result<lbscale_proto::NodeConfig> {
+        lease.check()?;
+        let fence = self.store.next_config_fence(group_id, lease.lease())?;
+        let mut config = self.node_config(group_id, self.store.config_version(group_id)?)?;
+        config.fence = fence;
+        Ok(config)
     }
 
     /// Joins a node to its cluster: pushes its configuration (the group's vservers
@@ -202,6 +245,9 @@ impl Engine {
             };
             match attempt.await {
                 Ok(_) => return Ok(()),
+                Err(e @ crate::nodeapi::NodeApiError::Superseded { .. }) => {
+                    return Err(EngineError::Superseded(format!("node {}: {e}", n.id)))
+                }
                 // A refusal (a port in use, say) will not fix itself: report it now.
                 Err(e @ crate::nodeapi::NodeApiError::Refused { .. }) => {
                     return Err(EngineError::Step {
@@ -336,6 +382,7 @@ impl Engine {
             version,
             vservers,
             group_peers: Vec::new(),
+            fence: 0,
         })
     }
 
@@ -383,7 +430,7 @@ impl Engine {
             self.refuse_if_deleting(&group)?;
             let cloud = self.cloud(group.spec.cloud)?;
             let token = self.group_token(group_id)?;
-            let config = self.node_config(group_id, self.store.config_version(group_id)?)?;
+            let config = self.fenced_node_config(group_id, &lease)?;
             self.store.record_event(
                 group_id,
                 None,
@@ -452,6 +499,8 @@ impl Engine {
 fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
     use prost::Message;
     let mut c = config.clone();
+    // What the node runs, not when it was read.
+    c.fence = 0;
     for v in &mut c.vservers {
         v.ramp_peers.clear();
     }

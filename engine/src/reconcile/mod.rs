@@ -65,6 +65,10 @@ pub enum EngineError {
     },
     #[error("step \"{step}\" failed: {detail}")]
     Step { step: &'static str, detail: String },
+    /// A node refused a configuration because it applied one with a higher
+    /// fence meanwhile (another workflow's, read later): read it again.
+    #[error("{0}")]
+    Superseded(String),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

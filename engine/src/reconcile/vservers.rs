@@ -22,6 +22,18 @@ impl Engine {
     /// SOURCEIP persistence across AZs is a warning.
     pub fn check_vserver(&self, spec: &VserverSpec) -> Result<Findings> {
         let mut f = Findings::default();
+        // The provider's schema says so too; the engine has other callers.
+        if !matches!(spec.service_type.as_str(), "HTTP" | "TCP" | "UDP") {
+            f.0.push(Finding::error(
+                vec![PathStep::Attr("service_type")],
+                "Unknown service type",
+                format!(
+                    "service_type {:?} is not one of HTTP, TCP or UDP.",
+                    spec.service_type
+                ),
+            ));
+            return Ok(f);
+        }
         let Some(se) = self.store.se_group(&spec.se_group_id)? else {
             f.0.push(Finding::error(
                 vec![PathStep::Attr("se_group_id")],

@@ -219,8 +219,17 @@ impl Node {
             validate(&cfg, self.common.dialer.source()).map_err(Status::invalid_argument)?;
         let resolved = resolve_names(&cfg).await;
         let mut inner = self.inner.lock().await;
+        // Under the lock: of two pushes at once, the older fence never lands
+        // after the newer one.
+        if cfg.fence < inner.fence {
+            return Err(Status::aborted(format!(
+                "configuration fence {} is older than {}, which this node applied: a newer holder configured it",
+                cfg.fence, inner.fence
+            )));
+        }
         if self.draining.load(Ordering::Relaxed) {
             // A draining node takes no new connections: record the version only.
+            inner.fence = cfg.fence;
             self.version.store(cfg.version, Ordering::Relaxed);
             return Ok(cfg.version);
         }
@@ -248,6 +257,7 @@ impl Node {
         }
         let names: HashSet<&str> = desired.iter().map(|(_, _, v)| v.name.as_str()).collect();
         self.ramps.retain(&names);
+        inner.fence = cfg.fence;
         self.version.store(cfg.version, Ordering::Relaxed);
         Ok(cfg.version)
     }

@@ -64,6 +64,8 @@ struct Listener {
 #[derive(Default)]
 struct Inner {
     listeners: HashMap<(u16, Transport), Listener>,
+    /// The highest configuration fence applied (proto `NodeConfig.fence`).
+    fence: u64,
 }
 
 pub struct Node {
