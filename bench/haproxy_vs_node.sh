@@ -12,7 +12,8 @@
 #                                       wrk and the backends to LOAD_CPU
 #   PIN=0                               pin nothing (the scheduler places everything)
 #   NODE_THREADS=1                      lbscale-node --threads (1: one event loop,
-#                                       as HAProxy's nbthread 1)
+#                                       as HAProxy's nbthread 1); empty: not passed
+#                                       (the node sizes itself to its cores)
 #   NODE_BIN=path                       use this lbscale-node instead of building
 #   SKIP_INSTALL=1                      do not apt-get install haproxy/wrk/nginx
 #   BENCH_IP=127.84.0.1                 loopback address for everything (ports 18080-18190)
@@ -39,7 +40,9 @@ THREADS=${THREADS:-1}
 PROXY_CPU=${PROXY_CPU:-1}
 LOAD_CPU=${LOAD_CPU:-0}
 PIN=${PIN:-1}
-NODE_THREADS=${NODE_THREADS:-1}
+NODE_THREADS=${NODE_THREADS-1}
+threads_arg=()
+[ -n "$NODE_THREADS" ] && threads_arg=(--threads "$NODE_THREADS")
 IP=${BENCH_IP:-127.84.0.1}   # a loopback address of its own, away from other services
 B1=18081 B2=18082 HA_HTTP=18080 HA_TCP=18090 NODE_HTTP=18180 NODE_TCP=18190
 
@@ -178,7 +181,7 @@ for mode in http tcp; do
   port=$NODE_HTTP; [ $mode = tcp ] && port=$NODE_TCP
   RUST_LOG=warn "${px[@]}" "$NODE_BIN" standalone --listen "$IP:$port" \
     --mode $mode --lb-method ROUNDROBIN --service "$IP:$B1" --service "$IP:$B2" \
-    --threads "$NODE_THREADS" >"$work/node-$mode.out" 2>"$work/node-$mode.log" &
+    "${threads_arg[@]}" >"$work/node-$mode.out" 2>"$work/node-$mode.log" &
   pids+=($!)
   eval "node_${mode}_pid=$!"
   wait_port "$port" "lbscale-node $mode"
@@ -225,8 +228,8 @@ median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END{print v[int((NR+1)
 if [ "$PIN" = 0 ]; then where="nothing pinned"; else
   where="proxy on cpu $PROXY_CPU, wrk+backends on cpu $LOAD_CPU"; fi
 printf '\nwrk -t%s -c%s -d%s x%s (medians), %s, lbscale-node --threads %s\n\n' \
-  "$THREADS" "$CONNS" "$DURATION" "$REPEAT" "$where" "$NODE_THREADS"
-printf '%-4s %-13s %12s %10s %10s %12s   %s\n' layer proxy "req/s" "p50 ms" "p99 ms" "CPU us/req" "runs (req/s)"
+  "$THREADS" "$CONNS" "$DURATION" "$REPEAT" "$where" "${NODE_THREADS:-(default)}"
+printf '%-4s %-13s %12s %10s %10s %12s   %s\n' layer proxy "req/s" "p50 ms" "p99 ms" "CPU us/req" "runs (req/s p99)"
 for layer in L7 L4; do
   if [ $layer = L7 ]; then hp=$HA_HTTP; np=$NODE_HTTP; npid=$node_http_pid
   else hp=$HA_TCP; np=$NODE_TCP; npid=$node_tcp_pid; fi
@@ -237,8 +240,10 @@ for layer in L7 L4; do
   done
   h_rps=$(median "${hr[@]}"); h_p50=$(median "${h5[@]}"); h_p99=$(median "${h9[@]}"); h_cpu=$(median "${hc[@]}")
   n_rps=$(median "${nr[@]}"); n_p50=$(median "${n5[@]}"); n_p99=$(median "${n9[@]}"); n_cpu=$(median "${nc[@]}")
-  printf '%-4s %-13s %12s %10s %10s %12s   %s\n' $layer haproxy "$h_rps" "$h_p50" "$h_p99" "$h_cpu" "${hr[*]}"
-  printf '%-4s %-13s %12s %10s %10s %12s   %s\n' $layer lbscale-node "$n_rps" "$n_p50" "$n_p99" "$n_cpu" "${nr[*]}"
+  hruns=""; nruns=""
+  for i in "${!hr[@]}"; do hruns+="${hr[$i]} ${h9[$i]}, "; nruns+="${nr[$i]} ${n9[$i]}, "; done
+  printf '%-4s %-13s %12s %10s %10s %12s   %s\n' $layer haproxy "$h_rps" "$h_p50" "$h_p99" "$h_cpu" "${hruns%, }"
+  printf '%-4s %-13s %12s %10s %10s %12s   %s\n' $layer lbscale-node "$n_rps" "$n_p50" "$n_p99" "$n_cpu" "${nruns%, }"
   awk -v l=$layer -v hr="$h_rps" -v nr="$n_rps" -v h50="$h_p50" -v n50="$n_p50" -v h99="$h_p99" -v n99="$n_p99" \
       -v hc="$h_cpu" -v nc="$n_cpu" 'BEGIN{
     r = nr/hr; q50 = n50/h50; q99 = n99/h99; c = nc/hc;
