@@ -28,9 +28,23 @@
 
 use crate::store::{Result, StoreError};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+/// Statements sent to a database by this process (each `query`, `execute`
+/// and `batch`: one round trip on PostgreSQL), for what the daemon and the
+/// benchmarks report as the store's load.
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Statements this process sent to its stores so far.
+pub(crate) fn statements_sent() -> u64 {
+    STATEMENTS.load(Ordering::Relaxed)
+}
+
+fn count_statement() {
+    STATEMENTS.fetch_add(1, Ordering::Relaxed);
+}
 
 /// A parameter or a column value.
 #[derive(Debug, Clone, PartialEq)]
@@ -231,6 +245,7 @@ impl rusqlite::ToSql for Value {
 
 impl Db for SqliteDb<'_> {
     fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
+        count_statement();
         let mut st = self.0.prepare_cached(&Dialect::Sqlite.with_clock(sql))?;
         let n = st.column_count();
         let mut rows = st.query(rusqlite::params_from_iter(params))?;
@@ -256,10 +271,12 @@ impl Db for SqliteDb<'_> {
         Ok(out)
     }
     fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
+        count_statement();
         let mut st = self.0.prepare_cached(&Dialect::Sqlite.with_clock(sql))?;
         Ok(st.execute(rusqlite::params_from_iter(params))? as u64)
     }
     fn batch(&mut self, sql: &str) -> Result<()> {
+        count_statement();
         Ok(self.0.execute_batch(sql)?)
     }
     fn dialect(&self) -> Dialect {
@@ -524,6 +541,7 @@ impl PgConn {
     }
 
     fn call(&mut self, req: Req) -> Result<Answer> {
+        count_statement();
         if self.stalled {
             return Err(StoreError::Unreachable(
                 "the PostgreSQL connection stalled earlier".into(),

@@ -600,6 +600,13 @@ impl Store {
         *self.retention.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Statements this process has sent to its stores (each one round trip on
+    /// PostgreSQL), all stores together: the daemon exports it, benchmarks
+    /// report it per interval.
+    pub fn statements_sent() -> u64 {
+        crate::sqldb::statements_sent()
+    }
+
     /// Whether the store answers a trivial query within `deadline` (waiting
     /// for a free connection included), and no earlier call still waits past
     /// its deadline: the daemon's health probe.
@@ -1546,6 +1553,18 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Every node's id, group and private address, for a tool that serves many
+    /// nodes' APIs from one process (the daemon's benchmark) and tells them
+    /// apart by address.
+    pub fn node_addresses(&self) -> Result<Vec<(String, String, String)>> {
+        self.with(|c| {
+            c.query("SELECT id, group_id, private_ip FROM nodes", &[])?
+                .iter()
+                .map(|r| Ok((r.text(0)?, r.text(1)?, r.text(2)?)))
+                .collect()
+        })
     }
 
     // --- addresses --------------------------------------------------------------
