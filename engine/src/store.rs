@@ -359,6 +359,12 @@ pub fn daemon_claim_key(group_id: &str) -> String {
     format!("daemon/{group_id}")
 }
 
+/// The lease by which a daemon announces itself on the store (see
+/// [`Store::announce_daemon`]).
+pub fn daemon_member_key(holder: &str) -> String {
+    format!("daemons/{holder}")
+}
+
 /// The lease of one AZ of a group, which a daemon's workflow in that AZ takes so
 /// that the group's other AZs scale meanwhile. It excludes the group's own
 /// lease (an apply) held by another holder, and the other way round (see
@@ -1736,6 +1742,41 @@ impl Store {
                 }
             }
         })
+    }
+
+    /// Announces daemon `holder` on the store for `ttl` (a lease
+    /// `daemons/<holder>`, renewed by calling this again) and returns how many
+    /// daemons are announced now, itself included: daemons that share a store
+    /// each claim about their share of its groups. Rows of daemons that
+    /// stopped announcing long ago are deleted.
+    pub fn announce_daemon(&self, holder: &str, ttl: Duration) -> Result<i64> {
+        self.acquire_lease(&daemon_member_key(holder), holder, ttl)?;
+        self.with(|c| {
+            c.execute(
+                &format!(
+                    "DELETE FROM leases WHERE group_id LIKE 'daemons/%' AND expires_ms < {NOW_MS} - 600000"
+                ),
+                &[],
+            )?;
+            c.int(
+                &format!(
+                    "SELECT count(*) FROM leases WHERE group_id LIKE 'daemons/%' AND expires_ms > {NOW_MS}"
+                ),
+                &[],
+            )
+        })
+    }
+
+    /// Takes daemon `holder` off the store (its shutdown): the others count
+    /// one daemon fewer at once.
+    pub fn withdraw_daemon(&self, holder: &str) -> Result<()> {
+        self.with_leases(|c| {
+            c.execute(
+                "DELETE FROM leases WHERE group_id = ?1 AND holder = ?2",
+                vals![daemon_member_key(holder), holder],
+            )
+        })?;
+        Ok(())
     }
 
     /// Who holds the lease `key` now (unexpired), if anyone. A read: the
