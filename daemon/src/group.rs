@@ -96,6 +96,9 @@ pub struct GroupRuntime {
     /// span one way. A span changes after `watch_samples` of them, as the
     /// group itself scales only on a confirmed breach.
     span_streaks: HashMap<(String, String), SpanStreak>,
+    /// The group's nodes as this evaluation's resume check read them, for
+    /// its sampling to use instead of reading them again.
+    fresh: Option<(GroupView, Vec<NodeRow>)>,
 }
 
 impl Default for GroupRuntime {
@@ -118,6 +121,7 @@ impl GroupRuntime {
             resumed: false,
             resume_backoff: ResumeBackoff::default(),
             span_streaks: HashMap::new(),
+            fresh: None,
         }
     }
 
@@ -170,6 +174,14 @@ pub async fn run(
     version: i64,
 ) {
     let started = now_ms();
+    // Requeued by an earlier evaluation (not a first one, nor one brought
+    // forward by a workflow's end): how late this one starts.
+    if rt.next_eval_ms > 0 && started >= rt.next_eval_ms {
+        let due = rt.next_eval_ms + LOOP_SLACK_MS;
+        shared
+            .metrics
+            .lag(Duration::from_millis((started - due).max(0) as u64));
+    }
     let wait = match evaluate(&shared, &mut rt, &row, version, started).await {
         Ok(next) => {
             rt.failures = 0;
@@ -324,13 +336,44 @@ fn take_turn(
     row: &Row<GroupSpec>,
     claim_ttl: Duration,
 ) -> Result<Option<KeptLease>, EvalError> {
+    // Daemons on one store each hold about their share of its groups: one
+    // that holds its share claims no more (another daemon has room for it).
+    if !shared.may_claim(&row.id) {
+        rt.left_alone = true;
+        rt.forget();
+        shared.update_status(&row.id, |s| {
+            s.owner = String::new();
+            s.azs.clear();
+        });
+        return Ok(None);
+    }
     let turn = shared
         .engine
         .daemon_turn(&row.id, &shared.holder, claim_ttl)
         .map_err(|e| EvalError::new("claim the group", e))?;
     rt.left_alone = !matches!(turn, Turn::Ours(_));
+    if !matches!(turn, Turn::Ours(_)) {
+        shared.disown(&row.id);
+    }
     match turn {
-        Turn::Ours(claim) => Ok(Some(claim)),
+        // More than its share (another daemon joined): let the group go,
+        // between workflows, for a daemon with room to take it.
+        Turn::Ours(claim) if !rt.workflows_in_flight() && !shared.keep_claim(&row.id) => {
+            drop(claim);
+            release_ownership(shared, &row.id);
+            tracing::info!(group = %row.spec.name, "more than this daemon's share of the groups: letting this one go to another daemon");
+            rt.left_alone = true;
+            rt.forget();
+            shared.update_status(&row.id, |s| {
+                s.owner = String::new();
+                s.azs.clear();
+            });
+            Ok(None)
+        }
+        Turn::Ours(claim) => {
+            shared.keep_claim_anyway(&row.id);
+            Ok(Some(claim))
+        }
         Turn::OtherDaemon { holder } => {
             if !rt.azs.is_empty() {
                 tracing::info!(group = %row.spec.name, owner = %holder, "another daemon evaluates this group; leaving it");
@@ -421,10 +464,13 @@ async fn resume(
         return Ok(false);
     }
     let (id, name) = (row.id.as_str(), row.spec.name.as_str());
+    rt.fresh = None;
     let why = if rt.resumed {
-        leftover_work(shared, id)
+        let (why, fresh) = leftover_work(shared, id)
             .await
-            .map_err(|e| EvalError::new("read the group's nodes", e))?
+            .map_err(|e| EvalError::new("read the group's nodes", e))?;
+        rt.fresh = fresh;
+        why
     } else {
         Some("first evaluation by this daemon".to_string())
     };
@@ -440,6 +486,8 @@ async fn resume(
         });
         return Ok(true);
     }
+    // The repair changes the nodes: sampling reads them again.
+    rt.fresh = None;
     tracing::info!(group = %name, why = %why, "resuming: reconciling the group before deciding");
     shared.update_status(id, |s| s.in_flight = Some("resume".into()));
     let started = Instant::now();
@@ -509,14 +557,18 @@ fn resume_failed(
 /// Work that a holder left half-done, as the store and the processes show it:
 /// a node in a transient or failed state, an active node that is not registered
 /// with the distributor, or one that does not run the configuration it should.
-/// `None` when the group is settled.
-async fn leftover_work(shared: &Shared, id: &str) -> Result<Option<String>, EngineError> {
+/// `None` when the group is settled; with the nodes it read.
+async fn leftover_work(
+    shared: &Shared,
+    id: &str,
+) -> Result<(Option<String>, Option<(GroupView, Vec<NodeRow>)>), EngineError> {
     let Some(view) = shared.engine.group_view(id).await? else {
-        return Ok(None);
+        return Ok((None, None));
     };
     let stale = shared.engine.stale_configurations(id)?;
     let rows = shared.engine.node_rows(id)?;
-    Ok(unsettled(&view, &rows, &stale))
+    let why = unsettled(&view, &rows, &stale);
+    Ok((why, Some((view, rows))))
 }
 
 fn unsettled(view: &GroupView, rows: &[NodeRow], stale: &[String]) -> Option<String> {
@@ -549,10 +601,15 @@ async fn observe(
 ) -> Result<Option<Seen>, EvalError> {
     let id = row.id.as_str();
     let nodes = |e| EvalError::new("read the group's nodes", e);
-    let Some(view) = shared.engine.group_view(id).await.map_err(nodes)? else {
-        return Ok(None);
+    let (view, rows) = match rt.fresh.take() {
+        Some(fresh) => fresh,
+        None => {
+            let Some(view) = shared.engine.group_view(id).await.map_err(nodes)? else {
+                return Ok(None);
+            };
+            (view, shared.engine.node_rows(id).map_err(nodes)?)
+        }
     };
-    let rows = shared.engine.node_rows(id).map_err(nodes)?;
     if rt.token.is_none() {
         let token = shared
             .engine

@@ -59,6 +59,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -103,9 +104,58 @@ pub struct Shared {
     /// When each distributor's publication was last compared with what it
     /// serves (see `group::settle_publication`).
     publication_checks: Mutex<HashMap<String, std::time::Instant>>,
+    /// The groups this daemon holds the claim of.
+    owned: Mutex<HashSet<String>>,
+    /// Daemons announced on the store (this one included), and the groups in
+    /// it, as the loop last read them: this daemon's share is their quotient.
+    daemons: AtomicUsize,
+    groups: AtomicUsize,
 }
 
 impl Shared {
+    /// How many groups this daemon should hold: its share of the store's
+    /// groups among the daemons announced on it, rounded up (the shares
+    /// together cover every group).
+    fn share(&self) -> usize {
+        let daemons = self.daemons.load(Ordering::Relaxed).max(1);
+        self.groups.load(Ordering::Relaxed).div_ceil(daemons)
+    }
+
+    /// Whether this daemon may claim one group more (one it does not hold).
+    pub(crate) fn may_claim(&self, id: &str) -> bool {
+        let owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
+        owned.contains(id) || owned.len() < self.share()
+    }
+
+    /// Records that this daemon holds group `id`'s claim; false (and not
+    /// recorded) when it holds more than its share already and should let
+    /// this one go instead.
+    pub(crate) fn keep_claim(&self, id: &str) -> bool {
+        let mut owned = self.owned.lock().unwrap_or_else(|e| e.into_inner());
+        if owned.contains(id) && owned.len() > self.share() {
+            owned.remove(id);
+            return false;
+        }
+        owned.insert(id.to_string());
+        true
+    }
+
+    /// Records that this daemon holds group `id`'s claim (one whose workflows
+    /// run: not let go mid-way).
+    pub(crate) fn keep_claim_anyway(&self, id: &str) {
+        self.owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string());
+    }
+
+    pub(crate) fn disown(&self, id: &str) {
+        self.owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+    }
+
     /// Whether the distributor's publication is due for a check (at most one
     /// per `every`, whichever of its groups comes first); marks it checked.
     pub(crate) fn publication_check_due(&self, distributor: &str, every: Duration) -> bool {
@@ -166,7 +216,13 @@ impl std::fmt::Display for StartError {
 /// Runs until `shutdown` resolves; then lets the evaluations in flight finish (at
 /// most `shutdown_grace`), gives up its ownership leases and returns.
 pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
-    let clouds = lbscale_engine::cloud::Clouds::new()
+    let clouds = default_clouds(&cfg);
+    run_with_clouds(cfg, clouds, shutdown).await
+}
+
+/// The clouds `lbscale daemon` is built with, from `cfg` and the environment.
+pub fn default_clouds(cfg: &DaemonConfig) -> lbscale_engine::cloud::Clouds {
+    lbscale_engine::cloud::Clouds::new()
         .with("local", lbscale_cloud_local::drivers(cfg.local.clone()))
         .with("aws", lbscale_cloud_aws::drivers(AwsSettings::from_env()))
         .with(
@@ -176,8 +232,20 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
         .with(
             "gcp",
             lbscale_cloud_gcp::drivers(lbscale_cloud_gcp::GcpSettings::from_env()),
-        );
+        )
+}
+
+/// As [`run`], with the drivers of `clouds` (a benchmark registers a cloud of
+/// simulated nodes under `local`; everything else is the daemon's own code).
+pub async fn run_with_clouds(
+    cfg: DaemonConfig,
+    clouds: lbscale_engine::cloud::Clouds,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StartError> {
     let engine = Engine::open(&cfg.state_url, &cfg.base_dir, clouds)
+        .map_err(|e| StartError(format!("--state: {e}")))?;
+    // The loop's own handle (and pool) for its one-row read per tick.
+    let watch = lbscale_engine::store::Store::open_url(&cfg.state_url, &cfg.base_dir)
         .map_err(|e| StartError(format!("--state: {e}")))?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -189,7 +257,11 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
         metrics: Metrics::default(),
         status: Mutex::new(BTreeMap::new()),
         publication_checks: Mutex::new(HashMap::new()),
+        owned: Mutex::new(HashSet::new()),
+        daemons: AtomicUsize::new(1),
+        groups: AtomicUsize::new(0),
     });
+    let mut announced: Option<std::time::Instant> = None;
     tracing::info!(
         listen = %cfg.listen,
         store = %shared.engine.store_location(),
@@ -199,7 +271,12 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
     let http = tokio::spawn(http::serve(listener, shared.clone()));
 
     let mut groups: HashMap<String, Watched> = HashMap::new();
+    let mut listed: Option<Listed> = None;
     let mut tasks: JoinSet<()> = JoinSet::new();
+    // Evaluations in flight at once: each holds store connections and node
+    // connections while it runs; thousands of groups due together (a start,
+    // a takeover) wait for a turn instead of starving the lease renewals.
+    let turns = Arc::new(tokio::sync::Semaphore::new(MAX_EVALUATIONS_IN_FLIGHT));
     let mut ticker = tokio::time::interval(cfg.tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -213,18 +290,50 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
                 tracing::error!(error = %e, "a group evaluation panicked or was cancelled");
             }
         }
-        if let Err(e) = refresh(&shared, &mut groups) {
-            tracing::warn!(error = %e, "cannot list the groups; retrying at the next tick");
-            continue;
+        match changed(&watch, &listed) {
+            Ok(None) => {}
+            Ok(Some(fingerprint)) => {
+                if let Err(e) = refresh(&shared, &mut groups) {
+                    tracing::warn!(error = %e, "cannot list the groups; retrying at the next tick");
+                    continue;
+                }
+                listed = Some(Listed {
+                    fingerprint,
+                    at: std::time::Instant::now(),
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the groups' versions; retrying at the next tick");
+                continue;
+            }
         }
+        if announced.is_none_or(|at| at.elapsed() >= ANNOUNCE_EVERY) {
+            match watch.announce_daemon(&shared.holder, DAEMON_TTL) {
+                Ok(n) => {
+                    shared.daemons.store(n.max(1) as usize, Ordering::Relaxed);
+                    announced = Some(std::time::Instant::now());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot announce this daemon on the store; retrying at the next tick")
+                }
+            }
+        }
+        shared.groups.store(groups.len(), Ordering::Relaxed);
         let now = lbscale_engine::store::now_ms();
         for w in groups.values() {
-            // In flight: this group's previous evaluation runs.
+            // In flight: this group's previous evaluation runs (or waits).
             let Ok(guard) = w.runtime.clone().try_lock_owned() else {
                 continue;
             };
             if guard.due(now) {
-                tasks.spawn(group::run(shared.clone(), guard, w.row.clone(), w.version));
+                let (shared, row, version, turns) =
+                    (shared.clone(), w.row.clone(), w.version, turns.clone());
+                tasks.spawn(async move {
+                    let Ok(_turn) = turns.acquire_owned().await else {
+                        return;
+                    };
+                    group::run(shared, guard, row, version).await
+                });
             }
         }
     }
@@ -253,8 +362,43 @@ pub async fn run(cfg: DaemonConfig, shutdown: impl Future<Output = ()>) -> Resul
     for id in groups.keys() {
         group::release_ownership(&shared, id);
     }
+    if let Err(e) = watch.withdraw_daemon(&shared.holder) {
+        tracing::warn!(error = %e, "cannot withdraw this daemon from the store; the others count it until it expires");
+    }
     tracing::info!("lbscale daemon stopped");
     Ok(())
+}
+
+/// How often a daemon announces itself on the store, and how long an
+/// announcement lasts: the others count a daemon that died for this long.
+const ANNOUNCE_EVERY: Duration = Duration::from_secs(2);
+const DAEMON_TTL: Duration = Duration::from_secs(10);
+/// Evaluations that run at once (the others wait for a turn, and their lag
+/// shows it).
+const MAX_EVALUATIONS_IN_FLIGHT: usize = 32;
+/// The groups are listed again at least this often, even when the
+/// fingerprint did not change (a safety net: the fingerprint could in
+/// principle hide a change).
+const RELIST_EVERY: Duration = Duration::from_secs(30);
+
+/// When the groups were last listed, and the fingerprint they had.
+struct Listed {
+    fingerprint: (i64, i64, i64),
+    at: std::time::Instant,
+}
+
+/// The groups' fingerprint when they must be listed again: it changed since
+/// the last listing (a group added, removed or changed), or that listing is
+/// [`RELIST_EVERY`] old. One row per tick, whatever the number of groups.
+fn changed(
+    watch: &lbscale_engine::store::Store,
+    listed: &Option<Listed>,
+) -> Result<Option<(i64, i64, i64)>, lbscale_engine::store::StoreError> {
+    let now = watch.groups_fingerprint()?;
+    Ok(match listed {
+        Some(l) if l.fingerprint == now && l.at.elapsed() < RELIST_EVERY => None,
+        _ => Some(now),
+    })
 }
 
 /// A group as the daemon keeps it between ticks: its row as of `version`,
@@ -281,6 +425,7 @@ fn refresh(
         .collect();
     for id in gone {
         groups.remove(&id);
+        shared.disown(&id);
         if let Some(s) = shared.forget(&id) {
             shared.metrics.forget_group(&s.name);
             tracing::info!(group = %s.name, "group is gone from the store; no longer scaled");

@@ -11,10 +11,12 @@ use std::time::Duration;
 
 #[derive(Default)]
 struct Inner {
-    /// (group, az, state) -> nodes; replaced per group on every evaluation.
-    nodes: BTreeMap<(String, String, String), u64>,
-    /// (group, az, metric) -> last sample value.
-    samples: BTreeMap<(String, String, &'static str), f64>,
+    /// (group, az) -> state -> nodes; replaced per AZ on every evaluation
+    /// (keyed by AZ, so that an update touches its own entry, not every
+    /// group's series).
+    nodes: BTreeMap<(String, String), BTreeMap<String, u64>>,
+    /// (group, az) -> the last sample's (metric, value)s.
+    samples: BTreeMap<(String, String), [(&'static str, f64); 3]>,
     /// (group, az, action) -> decisions taken.
     decisions: BTreeMap<(String, String, &'static str), u64>,
     /// group -> errors (store, node API, workflow failures).
@@ -25,6 +27,21 @@ struct Inner {
     workflows: BTreeMap<&'static str, (f64, u64)>,
     /// Evaluations run (all groups).
     evaluations: u64,
+    /// How late evaluations started after their group was due.
+    lag: LagHistogram,
+}
+
+/// Upper bounds (seconds) of the lag histogram's buckets.
+const LAG_BUCKETS: [f64; 15] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+#[derive(Default)]
+struct LagHistogram {
+    /// Per bucket of [`LAG_BUCKETS`] (not cumulative), then the overflow.
+    counts: [u64; LAG_BUCKETS.len() + 1],
+    sum: f64,
+    max: f64,
 }
 
 #[derive(Default)]
@@ -45,21 +62,26 @@ impl Metrics {
         nodes: &BTreeMap<String, u64>,
         sample: Option<&SampleOut>,
     ) {
+        let key = (group.to_string(), az.to_string());
         self.with(|m| {
-            m.nodes.retain(|(g, a, _), _| !(g == group && a == az));
-            for (state, n) in nodes {
-                m.nodes
-                    .insert((group.to_string(), az.to_string(), state.clone()), *n);
+            if nodes.is_empty() {
+                m.nodes.remove(&key);
+            } else {
+                m.nodes.insert(key.clone(), nodes.clone());
             }
-            m.samples.retain(|(g, a, _), _| !(g == group && a == az));
-            if let Some(s) = sample {
-                for (metric, v) in [
-                    ("cpu", s.cpu),
-                    ("memory", s.memory),
-                    ("throughput", s.throughput),
-                ] {
-                    m.samples
-                        .insert((group.to_string(), az.to_string(), metric), v);
+            match sample {
+                Some(s) => {
+                    m.samples.insert(
+                        key,
+                        [
+                            ("cpu", s.cpu),
+                            ("memory", s.memory),
+                            ("throughput", s.throughput),
+                        ],
+                    );
+                }
+                None => {
+                    m.samples.remove(&key);
                 }
             }
         })
@@ -67,6 +89,20 @@ impl Metrics {
 
     pub fn evaluated(&self) {
         self.with(|m| m.evaluations += 1)
+    }
+
+    /// An evaluation that started `lag` after its group was due (its requeue).
+    pub fn lag(&self, lag: Duration) {
+        let s = lag.as_secs_f64();
+        self.with(|m| {
+            let i = LAG_BUCKETS
+                .iter()
+                .position(|b| s <= *b)
+                .unwrap_or(LAG_BUCKETS.len());
+            m.lag.counts[i] += 1;
+            m.lag.sum += s;
+            m.lag.max = m.lag.max.max(s);
+        })
     }
 
     pub fn decision(&self, group: &str, az: &str, action: &'static str) {
@@ -96,8 +132,8 @@ impl Metrics {
     /// Drops the series of a group that no longer exists.
     pub fn forget_group(&self, group: &str) {
         self.with(|m| {
-            m.nodes.retain(|(g, _, _), _| g != group);
-            m.samples.retain(|(g, _, _), _| g != group);
+            m.nodes.retain(|(g, _), _| g != group);
+            m.samples.retain(|(g, _), _| g != group);
             m.decisions.retain(|(g, _, _), _| g != group);
             m.errors.remove(group);
             m.resume_failures.remove(group);
@@ -112,27 +148,31 @@ impl Metrics {
                 out,
                 "# HELP lbscale_nodes Nodes of a group's AZ cluster by lifecycle state.\n# TYPE lbscale_nodes gauge"
             );
-            for ((g, az, state), n) in &m.nodes {
-                let _ = writeln!(
-                    out,
-                    "lbscale_nodes{{group=\"{}\",az=\"{}\",state=\"{}\"}} {n}",
-                    esc(g),
-                    esc(az),
-                    esc(state)
-                );
+            for ((g, az), states) in &m.nodes {
+                for (state, n) in states {
+                    let _ = writeln!(
+                        out,
+                        "lbscale_nodes{{group=\"{}\",az=\"{}\",state=\"{}\"}} {n}",
+                        esc(g),
+                        esc(az),
+                        esc(state)
+                    );
+                }
             }
             let _ = writeln!(
                 out,
                 "# HELP lbscale_sample Last sample of an AZ cluster: mean over its serving nodes (cpu and memory in percent, throughput in Mbps).\n# TYPE lbscale_sample gauge"
             );
-            for ((g, az, metric), v) in &m.samples {
-                let _ = writeln!(
-                    out,
-                    "lbscale_sample{{group=\"{}\",az=\"{}\",metric=\"{metric}\"}} {}",
-                    esc(g),
-                    esc(az),
-                    num(*v)
-                );
+            for ((g, az), values) in &m.samples {
+                for (metric, v) in values {
+                    let _ = writeln!(
+                        out,
+                        "lbscale_sample{{group=\"{}\",az=\"{}\",metric=\"{metric}\"}} {}",
+                        esc(g),
+                        esc(az),
+                        num(*v)
+                    );
+                }
             }
             let _ = writeln!(
                 out,
@@ -179,6 +219,34 @@ impl Metrics {
                 out,
                 "# HELP lbscale_evaluations_total Group evaluations run by this daemon.\n# TYPE lbscale_evaluations_total counter\nlbscale_evaluations_total {}",
                 m.evaluations
+            );
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_evaluation_lag_seconds How late an evaluation started after its group was due (its requeue); a group's first evaluation by this daemon is not counted.\n# TYPE lbscale_evaluation_lag_seconds histogram"
+            );
+            let mut cumulative = 0;
+            for (i, bound) in LAG_BUCKETS.iter().enumerate() {
+                cumulative += m.lag.counts[i];
+                let _ = writeln!(
+                    out,
+                    "lbscale_evaluation_lag_seconds_bucket{{le=\"{bound}\"}} {cumulative}"
+                );
+            }
+            cumulative += m.lag.counts[LAG_BUCKETS.len()];
+            let _ = writeln!(
+                out,
+                "lbscale_evaluation_lag_seconds_bucket{{le=\"+Inf\"}} {cumulative}\nlbscale_evaluation_lag_seconds_sum {}\nlbscale_evaluation_lag_seconds_count {cumulative}",
+                num(m.lag.sum)
+            );
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_evaluation_lag_max_seconds The largest lag since the daemon started.\n# TYPE lbscale_evaluation_lag_max_seconds gauge\nlbscale_evaluation_lag_max_seconds {}",
+                num(m.lag.max)
+            );
+            let _ = writeln!(
+                out,
+                "# HELP lbscale_store_statements_total Statements this daemon sent to the store (one round trip each on PostgreSQL).\n# TYPE lbscale_store_statements_total counter\nlbscale_store_statements_total {}",
+                lbscale_engine::store::Store::statements_sent()
             );
             out
         })

@@ -12,6 +12,12 @@ use std::time::Duration;
 const DEFAULT_API_PORT: u16 = 9990;
 /// Longest wait for one node's statistics (connect + call).
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections are kept between samples up to this stats interval. A kept
+/// connection costs a descriptor and tens of KiB for the whole interval, a new
+/// one a TLS handshake per sample: at 60 s, 60,000 nodes would hold 60,000
+/// descriptors (more than a process may have) and gigabytes, against 1,000
+/// handshakes a second.
+const KEEP_CONNECTIONS_UP_TO: Duration = Duration::from_secs(15);
 
 /// A connection to one node's management API, kept between evaluations.
 pub(crate) struct CachedClient {
@@ -103,7 +109,7 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// Asks every target for its statistics, concurrently, each bounded by
 /// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
 /// `window` (the group's stats interval). Connections are kept for the next
-/// evaluation.
+/// evaluation when it comes soon ([`KEEP_CONNECTIONS_UP_TO`]).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
     targets: Vec<Target>,
@@ -135,12 +141,15 @@ pub(crate) async fn sample(
             (id, addr, r)
         });
     }
+    let keep = window <= KEEP_CONNECTIONS_UP_TO;
     let mut answers = HashMap::new();
     while let Some(joined) = set.join_next().await {
         let Ok((id, addr, r)) = joined else { continue };
         match r {
             Ok((client, stats)) => {
-                clients.insert(id.clone(), CachedClient { addr, client });
+                if keep {
+                    clients.insert(id.clone(), CachedClient { addr, client });
+                }
                 answers.insert(id, stats);
             }
             Err(e) => tracing::debug!(node = %id, error = %e, "no statistics from node"),
