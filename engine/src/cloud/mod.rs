@@ -94,6 +94,19 @@ impl DriverStore {
             .map_err(|e| CloudError::Failed(e.to_string()))
     }
 
+    /// The declared settings of the distributor that group `group_id` uses
+    /// now (None when the group or its distributor is not in the store).
+    pub fn distributor_of_group(&self, group_id: &str) -> Result<Option<DistributorSpec>> {
+        let group = self
+            .store
+            .group(group_id)
+            .map_err(|e| CloudError::Failed(e.to_string()))?;
+        match group {
+            Some(g) => self.distributor(&g.spec.traffic_distributor_id),
+            None => Ok(None),
+        }
+    }
+
     /// What the driver keeps of distributor `id` between calls (the default
     /// before the first save). A store error, or a record that does not read,
     /// is an error: an empty one would forget what exists.
