@@ -5,6 +5,18 @@ public IPs, virtual networks, load balancers, Traffic Manager profiles, DNS
 zones and record sets), an emulated login endpoint and instance metadata
 identity endpoint.
 
+Public IP addresses are given from their own loopback range (127.92/16 by
+default; private addresses come from 127.91/16). Traffic to them is what
+Azure's 1:1 NAT and network security groups make of it: the fake listens on
+a node's public address and relays each TCP connection to the node's
+private address, for the ports that the network security groups of its
+interface and subnet allow from the Internet (rules that name their ports,
+or ranges of up to 64; a Standard address with no security group takes
+nothing: Azure's "secure by default"). A public load balancer's frontend
+address relays each TCP connection of a rule's frontend port to a member of
+the rule's backend pool (at random, as a 5-tuple hash spreads them), through
+that member's security groups alike. UDP is not relayed.
+
 Every ARM request is matched to its operation in Azure's published OpenAPI
 definitions (clouds/azure/api: path, method, api-version, query parameters,
 body) and refused with ARM's error envelope when it does not follow them;
@@ -31,6 +43,9 @@ import argparse
 import base64
 import copy
 import http.server
+import ipaddress
+import random
+import socket
 import json
 import os
 import re
@@ -91,6 +106,7 @@ class State:
         self.public = Addresses(args.public_prefix)
         self.frontend = Addresses(args.frontend_prefix)
         self.processes = {}  # VM id -> Popen
+        self.relays = {}  # (address, port) -> Relay
 
 
 def etag():
@@ -122,6 +138,7 @@ CHILDREN = {
     ("microsoft.network/loadbalancers", "outboundrules"): "outboundRules",
     ("microsoft.network/networkinterfaces", "ipconfigurations"): "ipConfigurations",
     ("microsoft.network/virtualnetworks", "subnets"): "subnets",
+    ("microsoft.network/networksecuritygroups", "securityrules"): "securityRules",
     ("microsoft.network/trafficmanagerprofiles", "externalendpoints"): "endpoints",
     ("microsoft.network/trafficmanagerprofiles", "azureendpoints"): "endpoints",
     ("microsoft.network/trafficmanagerprofiles", "nestedendpoints"): "endpoints",
@@ -306,7 +323,11 @@ class Fake:
         elif body is not None:
             raise ArmError(400, "InvalidRequestContent", f"{op.id} takes no request body.")
         with LOCK:
-            status, out, h = self.dispatch(op, method, path, query, headers, body)
+            try:
+                status, out, h = self.dispatch(op, method, path, query, headers, body)
+            finally:
+                if method != "GET":
+                    self.sync_relays()
             self.state.requests.append({"method": method, "path": path, "operation": op.id, "status": status,
                                         "if_match": headers.get("if-match"), "if_none_match": headers.get("if-none-match")})
         rs, declared = op.response_schema(status)
@@ -361,6 +382,7 @@ class Fake:
             if o is None:
                 raise ArmError(404, "OperationNotFound", f"no operation {oid}")
             self.advance(o)
+            self.sync_relays()
             h = {}
             if o["status"] == "InProgress":
                 h["Retry-After"] = str(self.args.retry_after)
@@ -561,11 +583,16 @@ class Fake:
                     raise ArmError(400, "InUseSubnetCannotBeDeleted", f"{path} is in use by {v['id']}")
                 if resource_type(path).lower() in ("microsoft.network/networkinterfaces", "microsoft.network/publicipaddresses"):
                     raise ArmError(400, "InUse", f"{path} is in use by {v['id']} and cannot be deleted.")
+                if resource_type(path).lower() == "microsoft.network/networksecuritygroups":
+                    raise ArmError(400, "InUseNetworkSecurityGroupCannotBeDeleted",
+                                   f"Network security group {path} cannot be deleted because it is in use by the following resources: {v['id']}.")
 
     def remove(self, key):
         body = self.state.resources.pop(key, None)
         if body is None:
             return
+        if resource_type(key).lower() in ("microsoft.network/networkinterfaces", "microsoft.network/loadbalancers"):
+            self.detach_public_ips(key)
         if resource_type(key) == "microsoft.compute/virtualmachines":
             self.halt(body)
             props = body.get("properties", {})
@@ -583,14 +610,29 @@ class Fake:
             for k in [k for k in self.state.resources if k.startswith(key + "/")]:
                 del self.state.resources[k]
 
+    def detach_public_ips(self, owner):
+        """Public IPs whose ipConfiguration is `owner`'s (lower-case id) let go."""
+        for k, v in self.state.resources.items():
+            if resource_type(k).lower() == "microsoft.network/publicipaddresses":
+                ipc = (v.get("properties", {}).get("ipConfiguration") or {}).get("id", "")
+                if ipc.lower().startswith(owner.lower() + "/"):
+                    v["properties"].pop("ipConfiguration", None)
+
     def remove_nic(self, key):
         nic = self.state.resources.pop(key, None)
         if nic is None:
             return
         for ipc in nic.get("properties", {}).get("ipConfigurations", []):
             pip = ipc.get("properties", {}).get("publicIPAddress")
-            if pip and pip.get("properties", {}).get("deleteOption") == "Delete":
+            if not pip:
+                continue
+            # The address's own deleteOption (or one given in the reference).
+            res = self.state.resources.get(pip.get("id", "").lower())
+            option = (res or {}).get("properties", {}).get("deleteOption") or pip.get("properties", {}).get("deleteOption")
+            if option == "Delete":
                 self.state.resources.pop(pip["id"].lower(), None)
+            elif res is not None:
+                res["properties"].pop("ipConfiguration", None)
 
     # -- what Azure computes ---------------------------------------------------
     def complete(self, path, body, exists):
@@ -612,6 +654,7 @@ class Fake:
             "microsoft.network/loadbalancers": self.complete_lb,
             "microsoft.network/networkinterfaces": self.complete_nic,
             "microsoft.network/publicipaddresses": self.complete_pip,
+            "microsoft.network/networksecuritygroups": self.complete_nsg,
             "microsoft.network/virtualnetworks": self.complete_vnet,
             "microsoft.compute/virtualmachines": self.complete_vm,
             "microsoft.network/trafficmanagerprofiles": self.complete_tm,
@@ -652,6 +695,7 @@ class Fake:
         if body.get("sku", {}).get("name") not in (None, "Standard", "Basic", "Gateway"):
             raise ArmError(400, "InvalidSku", "unknown sku")
         old_front = {f["name"]: f for f in (old or {}).get("properties", {}).get("frontendIPConfigurations", [])}
+        self.detach_public_ips(path)
         for key, typ in [("frontendIPConfigurations", "Microsoft.Network/loadBalancers/frontendIPConfigurations"),
                          ("backendAddressPools", "Microsoft.Network/loadBalancers/backendAddressPools"),
                          ("loadBalancingRules", "Microsoft.Network/loadBalancers/loadBalancingRules"),
@@ -663,6 +707,19 @@ class Fake:
             fp = f["properties"]
             self.require(fp.get("subnet"), f"frontend {f['name']}")
             self.require(fp.get("publicIPAddress"), f"frontend {f['name']}")
+            if fp.get("publicIPAddress"):
+                # A public frontend takes its zone from its address (the
+                # fake's error code: Azure refuses `zones` here too).
+                if f.get("zones"):
+                    raise ArmError(400, "LoadBalancerFrontendIPConfigurationZonesNotSupported",
+                                   f"frontend {f['name']}: zones can be given for an internal frontend only; a public frontend takes its address's zone.")
+                pip = self.lookup(fp["publicIPAddress"]["id"])
+                if body.get("sku", {}).get("name") == "Standard" and pip.get("sku", {}).get("name") != "Standard":
+                    raise ArmError(400, "LoadBalancerWithStandardSkuCannotReferenceBasicSkuPublicIP",
+                                   f"frontend {f['name']}: a Standard load balancer takes Standard public IP addresses only.")
+                if fp.get("subnet"):
+                    raise ArmError(400, "InvalidRequestFormat", f"frontend {f['name']} has both a subnet and a public IP address")
+                pip["properties"]["ipConfiguration"] = {"id": f"{path}/frontendIPConfigurations/{f['name']}"}
             if fp.get("subnet") and not fp.get("privateIPAddress"):
                 prev = old_front.get(f["name"], {}).get("properties", {}).get("privateIPAddress")
                 fp["privateIPAddress"] = prev or self.state.frontend.take()
@@ -686,10 +743,68 @@ class Fake:
         self.sub(path, "subnets", props.get("subnets", []), "Microsoft.Network/virtualNetworks/subnets")
 
     def complete_pip(self, path, body, props, old):
+        sku = body.get("sku", {}).get("name", "Basic")
+        method = props.get("publicIPAllocationMethod", "Dynamic")
+        # The fake's error codes; Azure refuses these too.
+        if sku == "Standard" and method != "Static":
+            raise ArmError(400, "StandardSkuPublicIPAddressesMustBeStatic",
+                           f"{path}: a Standard SKU public IP address must be allocated Static, got {method}.")
+        if old is not None and sorted(old.get("zones", [])) != sorted(body.get("zones", [])):
+            raise ArmError(400, "ResourceAvailabilityZonesCannotBeModified",
+                           f"{path}: the zones of a public IP address cannot change ({old.get('zones', [])} to {body.get('zones', [])}).")
         props["provisioningState"] = "Succeeded"
         props.setdefault("resourceGuid", str(uuid.uuid4()))
+        props["publicIPAllocationMethod"] = method
+        props.setdefault("publicIPAddressVersion", "IPv4")
         prev = (old or {}).get("properties", {}).get("ipAddress")
         props["ipAddress"] = prev or self.state.public.take()
+        if old and old.get("properties", {}).get("ipConfiguration"):
+            props["ipConfiguration"] = old["properties"]["ipConfiguration"]
+
+    def complete_nsg(self, path, body, props, old):
+        props["provisioningState"] = "Succeeded"
+        props.setdefault("resourceGuid", str(uuid.uuid4()))
+        rules = props.get("securityRules", [])
+        self.sub(path, "securityRules", rules, "Microsoft.Network/networkSecurityGroups/securityRules")
+        seen = {}
+        for r in rules:
+            rp = r["properties"]
+            pr = rp.get("priority")
+            # The fake's error codes; Azure refuses these too.
+            if not isinstance(pr, int) or not 100 <= pr <= 4096:
+                raise ArmError(400, "SecurityRuleInvalidPriority", f"security rule {r['name']}: priority must be from 100 to 4096, got {pr}.")
+            key = (rp.get("direction"), pr)
+            if key in seen:
+                raise ArmError(400, "SecurityRulesInvalidPriorityConflict",
+                               f"security rules {seen[key]} and {r['name']} have the same priority {pr} and direction {key[0]}.")
+            seen[key] = r["name"]
+            for side in ("source", "destination"):
+                if rp.get(f"{side}AddressPrefix") and rp.get(f"{side}AddressPrefixes"):
+                    raise ArmError(400, "SecurityRuleParameterContainsUnsupportedValue",
+                                   f"security rule {r['name']}: {side}AddressPrefix and {side}AddressPrefixes cannot both be given.")
+                if not (rp.get(f"{side}PortRange") or rp.get(f"{side}PortRanges")):
+                    raise ArmError(400, "SecurityRuleInvalidPortRange", f"security rule {r['name']}: {side}PortRange is required.")
+            for prefix in [rp.get("sourceAddressPrefix")] + list(rp.get("sourceAddressPrefixes") or []):
+                if prefix and "/" in prefix:
+                    try:
+                        ipaddress.ip_network(prefix, strict=False)
+                    except ValueError:
+                        raise ArmError(400, "SecurityRuleInvalidAddressPrefix", f"security rule {r['name']}: {prefix!r} is not an address prefix.")
+        defaults = []
+        for name, pr, direction, access, src, dst in [
+                ("AllowVnetInBound", 65000, "Inbound", "Allow", "VirtualNetwork", "VirtualNetwork"),
+                ("AllowAzureLoadBalancerInBound", 65001, "Inbound", "Allow", "AzureLoadBalancer", "*"),
+                ("DenyAllInBound", 65500, "Inbound", "Deny", "*", "*"),
+                ("AllowVnetOutBound", 65000, "Outbound", "Allow", "VirtualNetwork", "VirtualNetwork"),
+                ("AllowInternetOutBound", 65001, "Outbound", "Allow", "*", "Internet"),
+                ("DenyAllOutBound", 65500, "Outbound", "Deny", "*", "*")]:
+            defaults.append({"name": name, "id": f"{path}/defaultSecurityRules/{name}", "etag": etag(),
+                             "type": "Microsoft.Network/networkSecurityGroups/defaultSecurityRules",
+                             "properties": {"description": name, "protocol": "*", "sourcePortRange": "*",
+                                            "destinationPortRange": "*", "sourceAddressPrefix": src,
+                                            "destinationAddressPrefix": dst, "access": access, "priority": pr,
+                                            "direction": direction, "provisioningState": "Succeeded"}})
+        props["defaultSecurityRules"] = defaults
 
     def complete_nic(self, path, body, props, old):
         props["provisioningState"] = "Succeeded"
@@ -698,6 +813,7 @@ class Fake:
         self.sub(path, "ipConfigurations", props.get("ipConfigurations", []), "Microsoft.Network/networkInterfaces/ipConfigurations")
         if not props.get("ipConfigurations"):
             raise ArmError(400, "NetworkInterfaceMustHaveIpConfiguration", "a network interface needs an IP configuration")
+        self.require(props.get("networkSecurityGroup"), "the network interface")
         for i, ipc in enumerate(props["ipConfigurations"]):
             p = ipc["properties"]
             if not p.get("subnet"):
@@ -706,6 +822,11 @@ class Fake:
             pip = p.get("publicIPAddress")
             if pip:
                 self.require(pip, f"IP configuration {ipc['name']}")
+                res = self.lookup(pip["id"])
+                other = (res.get("properties", {}).get("ipConfiguration") or {}).get("id", "")
+                if other and not other.lower().startswith(path.lower() + "/"):
+                    raise ArmError(400, "PublicIPAddressInUse", f"public IP address {pip['id']} is in use by {other}.")
+                res["properties"]["ipConfiguration"] = {"id": f"{path}/ipConfigurations/{ipc['name']}"}
             if p.get("privateIPAllocationMethod", "Dynamic") == "Dynamic" or not p.get("privateIPAddress"):
                 prev = olds.get(ipc["name"], {}).get("properties", {}).get("privateIPAddress")
                 p["privateIPAddress"] = prev or self.state.private.take()
@@ -729,6 +850,13 @@ class Fake:
             if attached and attached.lower() != path.lower():
                 raise ArmError(400, "NicInUse", f"network interface {n['id']} is attached to {attached}")
             nic["properties"]["virtualMachine"] = {"id": path}
+            for ipc in nic["properties"].get("ipConfigurations", []):
+                pip = self.lookup((ipc["properties"].get("publicIPAddress") or {}).get("id", ""))
+                zones = (pip or {}).get("zones") or []
+                if zones and body.get("zones") and not set(body["zones"]) & set(zones):
+                    # The fake's error code; Azure refuses it too.
+                    raise ArmError(400, "ZonalPublicIPAddressNotInVirtualMachineZone",
+                                   f"public IP address {pip['id']} is in zone(s) {zones}; virtual machine {body['name']} is in zone(s) {body['zones']}.")
         if not props.get("hardwareProfile", {}).get("vmSize"):
             raise ArmError(400, "InvalidParameter", "hardwareProfile.vmSize is required")
         os_disk = props.setdefault("storageProfile", {}).setdefault("osDisk", {"createOption": "FromImage"})
@@ -791,6 +919,92 @@ class Fake:
         body.pop("etag", None)
         body["etag"] = etag()
 
+    # -- traffic to public addresses ------------------------------------------
+    def security_groups_of(self, nic):
+        """The NSGs that filter traffic to `nic`: its own and its subnet's."""
+        out = []
+        own = (nic["properties"].get("networkSecurityGroup") or {}).get("id")
+        if own and self.lookup(own):
+            out.append(self.lookup(own))
+        for ipc in nic["properties"].get("ipConfigurations", [])[:1]:
+            subnet = self.lookup((ipc["properties"].get("subnet") or {}).get("id", ""))
+            sid = ((subnet or {}).get("properties", {}).get("networkSecurityGroup") or {}).get("id")
+            if sid and self.lookup(sid):
+                out.append(self.lookup(sid))
+        return out
+
+    def open_ports(self, nic, wanted=None):
+        """The TCP ports that reach `nic` from the Internet: allowed by every
+        NSG on its way, none without one (Standard SKU). `wanted`: the ports
+        to ask about; else the ports the NSGs' rules name."""
+        nsgs = self.security_groups_of(nic)
+        if not nsgs:
+            return set()
+        if wanted is None:
+            wanted = set()
+            for nsg in nsgs:
+                for r in nsg["properties"].get("securityRules", []):
+                    ports = rule_ports(r["properties"])
+                    if ports is not None and len(ports) <= 64:
+                        wanted |= ports
+        return {p for p in wanted if all(allows_from_internet(n, p) for n in nsgs)}
+
+    def wanted_relays(self):
+        """(address, port) -> targets, for every public address in use."""
+        res = self.state.resources
+        out = {}
+        nic_of_ip = {}
+        for k, v in res.items():
+            t = resource_type(k).lower()
+            if t == "microsoft.network/networkinterfaces":
+                ipc = v["properties"]["ipConfigurations"][0]["properties"]
+                nic_of_ip[ipc.get("privateIPAddress")] = v
+                vm = res.get((v["properties"].get("virtualMachine") or {}).get("id", "").lower())
+                pip = res.get((ipc.get("publicIPAddress") or {}).get("id", "").lower())
+                if vm is None or pip is None or vm["properties"].get("provisioningState") != "Succeeded":
+                    continue
+                for port in self.open_ports(v):
+                    out[(pip["properties"]["ipAddress"], port)] = [(ipc["privateIPAddress"], port)]
+        for k, lb in res.items():
+            if resource_type(k).lower() != "microsoft.network/loadbalancers":
+                continue
+            lp = lb["properties"]
+            fronts = {f["id"].lower(): f for f in lp.get("frontendIPConfigurations", [])}
+            pools = {b["id"].lower(): b for b in lp.get("backendAddressPools", [])}
+            for r in lp.get("loadBalancingRules", []):
+                rp = r["properties"]
+                if rp.get("protocol", "").lower() not in ("tcp", "all"):
+                    continue
+                f = fronts.get(rp["frontendIPConfiguration"]["id"].lower())
+                pip = res.get(((f or {}).get("properties", {}).get("publicIPAddress") or {}).get("id", "").lower())
+                pool = pools.get((rp.get("backendAddressPool") or {}).get("id", "").lower())
+                if pip is None or pool is None:
+                    continue
+                port = rp.get("backendPort", rp["frontendPort"])
+                targets = []
+                for a in pool["properties"].get("loadBalancerBackendAddresses", []):
+                    ip = a.get("properties", {}).get("ipAddress")
+                    nic = nic_of_ip.get(ip)
+                    if nic is not None and port in self.open_ports(nic, {port}):
+                        targets.append((ip, port))
+                out[(pip["properties"]["ipAddress"], rp["frontendPort"])] = targets
+        return out
+
+    def sync_relays(self):
+        wanted = self.wanted_relays()
+        relays = self.state.relays
+        for key in [k for k in relays if k not in wanted]:
+            relays.pop(key).close()
+        for key, targets in wanted.items():
+            if key in relays:
+                relays[key].targets = targets
+                continue
+            try:
+                relays[key] = Relay(key[0], key[1], targets)
+            except OSError as e:
+                # Tried again at the next change.
+                sys.stderr.write(f"azure-fake: cannot listen on {key[0]}:{key[1]}: {e}\n")
+
     # -- virtual machines that run --------------------------------------------
     def boot(self, vm):
         if not self.args.run_custom_data or vm is None:
@@ -820,6 +1034,106 @@ class Fake:
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+class Relay:
+    """A TCP listener on (address, port) that relays each connection to one
+    of its targets; the targets change in place, close() ends it."""
+
+    def __init__(self, address, port, targets):
+        self.address, self.port, self.targets = address, port, list(targets)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((address, port))
+        self.sock.listen(64)
+        self.sock.settimeout(0.5)
+        self.closed = False
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def close(self):
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def serve(self):
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self.relay, args=(client,), daemon=True).start()
+
+    def relay(self, client):
+        targets = list(self.targets)
+        if not targets:
+            client.close()
+            return
+        try:
+            upstream = socket.create_connection(random.choice(targets), timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        client.settimeout(None)
+
+        def pump(a, b):
+            try:
+                while True:
+                    data = a.recv(65536)
+                    if not data:
+                        break
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                try:
+                    b.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=pump, args=(upstream, client), daemon=True)
+        t.start()
+        pump(client, upstream)
+        t.join(timeout=600)
+        client.close()
+        upstream.close()
+
+
+INTERNET = ("*", "internet", "0.0.0.0/0", "any")
+
+
+def rule_ports(rp):
+    """The ports a security rule names: a set, or None for every port ("*")."""
+    specs = list(rp.get("destinationPortRanges") or []) + ([rp["destinationPortRange"]] if rp.get("destinationPortRange") else [])
+    out = set()
+    for spec in specs:
+        if spec == "*":
+            return None
+        lo, _, hi = spec.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def allows_from_internet(nsg, port):
+    """Whether `nsg` lets a TCP connection from the Internet to `port`: its
+    inbound rules and default rules by priority, the first that matches."""
+    rules = nsg.get("properties", {}).get("securityRules", []) + nsg.get("properties", {}).get("defaultSecurityRules", [])
+    for r in sorted(rules, key=lambda r: r["properties"].get("priority", 99999)):
+        rp = r["properties"]
+        if rp.get("direction", "").lower() != "inbound" or rp.get("protocol", "").lower() not in ("tcp", "*"):
+            continue
+        sources = [rp.get("sourceAddressPrefix")] if rp.get("sourceAddressPrefix") else list(rp.get("sourceAddressPrefixes") or [])
+        if not any(str(x).lower() in INTERNET for x in sources):
+            continue
+        ports = rule_ports(rp)
+        if ports is not None and port not in ports:
+            continue
+        return rp.get("access", "").lower() == "allow"
+    return False
 
 
 def merge(a, b):
@@ -916,7 +1230,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with LOCK:
             if path == "/_fake/state" and method == "GET":
                 return 200, {"resources": st.resources, "disks": st.disks,
-                             "processes": {k: p.pid for k, p in st.processes.items() if p.poll() is None}}
+                             "processes": {k: p.pid for k, p in st.processes.items() if p.poll() is None},
+                             "relays": {f"{a}:{p}": [f"{h}:{q}" for h, q in r.targets] for (a, p), r in st.relays.items()},
+                             "prefixes": {"private": st.private.prefix + ".", "public": st.public.prefix + "."}}
             if path == "/_fake/faults" and method == "POST":
                 body.setdefault("count", 1)
                 st.faults.append(body)
@@ -969,6 +1285,8 @@ def main():
         srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
 
     def stop(*_):
+        for r in list(Handler.fake.state.relays.values()):
+            r.close()
         for p in list(Handler.fake.state.processes.values()):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
