@@ -119,6 +119,29 @@ impl Fake {
         self.control("GET", "/_fake/state", None)
     }
 
+    /// What the fake's private addresses start with (`127.91.` by default).
+    pub fn private_prefix(&self) -> String {
+        self.state()["prefixes"]["private"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    /// What the fake's public addresses start with (`127.92.` by default).
+    pub fn public_prefix(&self) -> String {
+        self.state()["prefixes"]["public"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    /// The TCP relays the fake runs for public addresses: `address:port` ->
+    /// the `address:port` targets it relays to (Azure's NAT, load balancer
+    /// and network security groups, emulated).
+    pub fn relays(&self) -> BTreeMap<String, Vec<String>> {
+        serde_json::from_value(self.state()["relays"].clone()).unwrap_or_default()
+    }
+
     /// The resource at `id` as the fake holds it, if any.
     pub fn resource(&self, id: &str) -> Option<Value> {
         self.state()["resources"]

@@ -6,11 +6,15 @@
 //!   long-running operations) over [`http`]; [`credentials`] finds the
 //!   tokens as Azure's SDKs do.
 //! - [`vm`]: a node is a VM with its network interface in the subnet that
-//!   the group's `node.subnets` gives for its zone, tagged with the group and
-//!   node ids, started from `node.image` with custom data that starts
-//!   `lbscale-node`; deleted with its interface and disk.
+//!   the group's `node.subnets` gives for its zone and a public IP of its own
+//!   (not behind an `nlb`), tagged with the group and node ids, started from
+//!   `node.image` with custom data that starts `lbscale-node`; deleted with
+//!   its interface, disk and public IP.
+//! - [`security_group`]: the group's own network security group when its
+//!   `node` block gives none.
 //! - [`traffic_manager`]: the `dns` distributor.
-//! - [`load_balancer`]: the `nlb` distributor.
+//! - [`load_balancer`]: the `nlb` distributor, public (a zonal public IP
+//!   frontend per zone), as the aws `nlb` is internet-facing.
 //!
 //! Everything lbscale makes is in the resource group of the settings, in
 //! their location (Traffic Manager profiles are global).
@@ -21,13 +25,16 @@ pub mod credentials;
 pub mod fake_testing;
 pub mod http;
 mod load_balancer;
+mod public_ip;
+mod security_group;
 mod traffic_manager;
 mod vm;
 
 use arm::Arm;
 use credentials::{Choice, Credentials, EnvVars};
 use lbscale_engine::cloud::{
-    Cloud, Distributor, DriverStore, ProvisionRequest, Provisioned, Publication, Result,
+    Cloud, Distributor, DriverStore, GroupResources, ProvisionRequest, Provisioned, Publication,
+    Result,
 };
 use lbscale_engine::model::{DistributorMode, DistributorSpec, NodeSpec};
 use lbscale_engine::store::NodeRow;
@@ -297,6 +304,14 @@ impl Cloud for AzureCloud {
 
     fn node_unusable(&self, node: &NodeSpec) -> Option<String> {
         self.vm_unusable(node)
+    }
+
+    async fn prepare_group(&self, group: &GroupResources) -> Result<()> {
+        self.prepare_security_group(group).await
+    }
+
+    async fn release_group(&self, group_id: &str) -> Result<()> {
+        self.release_security_group(group_id).await
     }
 }
 

@@ -1,9 +1,12 @@
-//! The azure `nlb` distributor: one Standard Load Balancer per distributor
-//! (internal: its frontends are in the groups' subnets).
+//! The azure `nlb` distributor: one Standard Load Balancer per distributor,
+//! public as the aws `nlb` is internet-facing.
 //!
-//! - one zonal frontend per availability zone, in the subnet that the
-//!   groups' `node.subnets` give there: one VIP per zone, as the local and
-//!   aws `nlb`;
+//! - one frontend per availability zone on a public IP of its own
+//!   (`lbscale-<id>-fe-<zone>`: Standard, static, in that zone, tagged
+//!   `lbscale-distributor-id`): one VIP per zone, as the local and aws `nlb`.
+//!   A public frontend takes its zone from its address (Azure refuses
+//!   `zones` on it). Addresses of zones no longer served are deleted after
+//!   the load balancer lets go of them;
 //! - a backend pool per zone of the zone's serving nodes (by address); a
 //!   port whose targets are not all of them (SE scale-out) gets a pool of its
 //!   own in the zone: the native primary only (`First`: the load balancer
@@ -25,10 +28,13 @@ const NET_VERSION: &str = "2025-07-01";
 const ETAG_ATTEMPTS: u32 = 5;
 
 /// What the load balancer must be: frontends, pools, probes and rules.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Eq, Default)]
 struct Shape {
-    /// Frontend name -> (zone, subnet id, lower case).
-    frontends: BTreeMap<String, (String, String)>,
+    /// Frontend name -> its public IP's id, lower case.
+    frontends: BTreeMap<String, String>,
+    /// Zone -> the virtual network of its backend addresses (not compared:
+    /// ARM keeps it in each address).
+    vnets: BTreeMap<String, String>,
     /// Pool name -> addresses.
     pools: BTreeMap<String, BTreeSet<String>>,
     /// Probe name -> port.
@@ -37,7 +43,21 @@ struct Shape {
     rules: BTreeMap<String, (String, String, String, i64)>,
 }
 
+impl PartialEq for Shape {
+    fn eq(&self, o: &Shape) -> bool {
+        (&self.frontends, &self.pools, &self.probes, &self.rules)
+            == (&o.frontends, &o.pools, &o.probes, &o.rules)
+    }
+}
+
+const DISTRIBUTOR_TAG: &str = "lbscale-distributor-id";
+
 impl AzureCloud {
+    /// The public IP of the frontend of zone `zone`.
+    fn frontend_ip_name(id: &str, zone: &str) -> String {
+        format!("{}-fe-{}", Self::name_of(id, 70), zone)
+    }
+
     fn lb_path(&self, id: &str) -> String {
         self.arm.in_group(
             &self.resource_group,
@@ -48,25 +68,37 @@ impl AzureCloud {
     /// Makes the load balancer hand out `publication` (none when nothing is
     /// published: it costs while it exists).
     pub(super) async fn publish_nlb(&self, id: &str, publication: &Publication) -> Result<()> {
-        let wanted = wanted_shape(publication)?;
+        let wanted = wanted_shape(publication, |zone| {
+            self.public_ip_path(&Self::frontend_ip_name(id, zone))
+                .to_ascii_lowercase()
+        })?;
         if wanted.frontends.is_empty() {
             self.remove_nlb(id).await?;
             return Ok(());
         }
+        // Each zone's address first: the frontends refer to them.
+        let tags: BTreeMap<String, String> = [(DISTRIBUTOR_TAG.to_string(), id.to_string())].into();
+        let mut vips = BTreeMap::new();
+        for zone in wanted.vnets.keys() {
+            let ip = self
+                .ensure_public_ip(&Self::frontend_ip_name(id, zone), zone, &tags)
+                .await?;
+            vips.insert(zone.clone(), ip.address);
+        }
         let path = self.lb_path(id);
         let what = format!("load balancer PUT {}", Self::name_of(id, 80));
         let mut attempt = 1;
-        let lb = loop {
+        loop {
             let current = self
                 .arm
                 .get("load balancer GET", &path, NET_VERSION)
                 .await?;
             if let Some(c) = &current {
                 if shape_of(&c.body) == wanted {
-                    break c.body.clone();
+                    break;
                 }
             }
-            let body = self.lb_body(id, &path, &wanted, current.as_ref().map(|c| &c.body));
+            let body = self.lb_body(id, &path, &wanted);
             let etag = current
                 .as_ref()
                 .and_then(|c| c.body["etag"].as_str())
@@ -76,7 +108,7 @@ impl AzureCloud {
                 None => ("if-none-match", "*"),
             };
             match self.arm.put(&what, &path, NET_VERSION, &body, &[condition]).await {
-                Ok(after) if shape_of(&after) == wanted => break after,
+                Ok(after) if shape_of(&after) == wanted => break,
                 Ok(after) => {
                     return Err(CloudError::Failed(format!(
                         "Azure {what}: after the PUT the load balancer is not what was put (it has {:?}, wanted {:?})",
@@ -90,20 +122,22 @@ impl AzureCloud {
                 }
                 Err(e) => return Err(arm::failed(&what, e)),
             }
-        };
+        }
         let mut rt = self.runtime_checked(id)?;
-        rt.nlb_addresses = lb["properties"]["frontendIPConfigurations"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|f| {
-                Some((
-                    f["zones"][0].as_str()?.to_string(),
-                    f["properties"]["privateIPAddress"].as_str()?.to_string(),
-                ))
-            })
+        rt.nlb_addresses = vips;
+        self.save_runtime(id, &rt)?;
+        // Addresses of zones the load balancer no longer serves.
+        let keep: BTreeSet<String> = wanted
+            .vnets
+            .keys()
+            .map(|z| Self::frontend_ip_name(id, z))
             .collect();
-        self.save_runtime(id, &rt)
+        for name in self.public_ips_tagged(DISTRIBUTOR_TAG, id).await? {
+            if !keep.contains(&name) {
+                self.delete_public_ip(&name).await?;
+            }
+        }
+        Ok(())
     }
 
     pub(super) async fn remove_nlb(&self, id: &str) -> Result<()> {
@@ -116,38 +150,23 @@ impl AzureCloud {
             .await?;
         let mut rt = self.runtime_checked(id)?;
         rt.nlb_addresses.clear();
-        self.save_runtime(id, &rt)
+        self.save_runtime(id, &rt)?;
+        // Its frontends' addresses, once it let go of them.
+        for name in self.public_ips_tagged(DISTRIBUTOR_TAG, id).await? {
+            self.delete_public_ip(&name).await?;
+        }
+        Ok(())
     }
 
-    /// The whole load balancer of `shape`; a frontend keeps the address it has.
-    fn lb_body(&self, id: &str, path: &str, shape: &Shape, current: Option<&Value>) -> Value {
-        let had: BTreeMap<String, String> = current
-            .and_then(|c| c["properties"]["frontendIPConfigurations"].as_array())
-            .into_iter()
-            .flatten()
-            .filter_map(|f| {
-                Some((
-                    f["name"].as_str()?.to_string(),
-                    f["properties"]["privateIPAddress"].as_str()?.to_string(),
-                ))
-            })
-            .collect();
-        let vnets: BTreeMap<&str, String> = shape
-            .frontends
-            .values()
-            .map(|(zone, subnet)| (zone.as_str(), vnet_of(subnet)))
-            .collect();
+    /// The whole load balancer of `shape`.
+    fn lb_body(&self, id: &str, path: &str, shape: &Shape) -> Value {
+        let vnets = &shape.vnets;
         let frontends: Vec<Value> = shape
             .frontends
             .iter()
-            .map(|(name, (zone, subnet))| {
-                let mut props =
-                    json!({"subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic"});
-                if let Some(ip) = had.get(name) {
-                    props["privateIPAddress"] = json!(ip);
-                }
-                json!({"name": name, "zones": [zone], "properties": props})
-            })
+            .map(
+                |(name, pip)| json!({"name": name, "properties": {"publicIPAddress": {"id": pip}}}),
+            )
             .collect();
         let pools: Vec<Value> = shape
             .pools
@@ -193,7 +212,7 @@ impl AzureCloud {
         json!({
             "location": self.location,
             "sku": {"name": "Standard", "tier": "Regional"},
-            "tags": {"lbscale-distributor-id": id},
+            "tags": {DISTRIBUTOR_TAG: id},
             "properties": {
                 "frontendIPConfigurations": frontends,
                 "backendAddressPools": pools,
@@ -204,30 +223,31 @@ impl AzureCloud {
     }
 }
 
-/// The load balancer that `publication` asks for; an error names a zone
-/// without one subnet.
-fn wanted_shape(publication: &Publication) -> Result<Shape> {
+/// The load balancer that `publication` asks for, with `public_ip(zone)`
+/// the id of the zone's frontend address; an error names a zone whose
+/// subnets are not of one virtual network.
+fn wanted_shape(publication: &Publication, public_ip: impl Fn(&str) -> String) -> Result<Shape> {
     let mut shape = Shape::default();
     for (zone, ports) in publication.ports.iter().filter(|(_, p)| !p.is_empty()) {
         let subnets = publication.subnets.get(zone).cloned().unwrap_or_default();
-        let subnet = match subnets.len() {
-            1 => subnets.into_iter().next().unwrap_or_default(),
+        let vnets: BTreeSet<String> = subnets.iter().map(|s| vnet_of(s)).collect();
+        let vnet = match vnets.len() {
+            1 => vnets.into_iter().next().unwrap_or_default(),
             0 => {
                 return Err(CloudError::Failed(format!(
-                    "an azure nlb distributor needs the subnet of zone {zone} for its frontend there: give it in the groups' node.subnets"
+                    "an azure nlb distributor needs the subnet of zone {zone} (its backend addresses are in that subnet's virtual network): give it in the groups' node.subnets"
                 )))
             }
             _ => {
                 return Err(CloudError::Failed(format!(
-                    "the groups of this azure nlb distributor give different subnets in zone {zone} ({}): its frontend there can be in one only",
+                    "the groups of this azure nlb distributor give subnets of different virtual networks in zone {zone} ({}): the zone's backend pool takes addresses of one",
                     subnets.into_iter().collect::<Vec<_>>().join(", ")
                 )))
             }
         };
+        shape.vnets.insert(zone.clone(), vnet);
         let fe = format!("fe-{zone}");
-        shape
-            .frontends
-            .insert(fe.clone(), (zone.clone(), subnet.to_ascii_lowercase()));
+        shape.frontends.insert(fe.clone(), public_ip(zone));
         let nodes: BTreeSet<String> = publication
             .endpoints
             .get(zone)
@@ -278,16 +298,14 @@ fn shape_of(lb: &Value) -> Shape {
             .map(|f| {
                 (
                     f["name"].as_str().unwrap_or("").to_string(),
-                    (
-                        f["zones"][0].as_str().unwrap_or("").to_string(),
-                        f["properties"]["subnet"]["id"]
-                            .as_str()
-                            .unwrap_or("")
-                            .to_ascii_lowercase(),
-                    ),
+                    f["properties"]["publicIPAddress"]["id"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_ascii_lowercase(),
                 )
             })
             .collect(),
+        vnets: BTreeMap::new(),
         pools: items("backendAddressPools")
             .iter()
             .map(|b| {
@@ -352,6 +370,10 @@ mod tests {
     use super::*;
     use lbscale_engine::cloud::PortTargets;
 
+    fn pip(zone: &str) -> String {
+        format!("pip-{zone}")
+    }
+
     fn publication() -> Publication {
         let mut p = Publication::default();
         for (z, ips) in [("1", vec!["10.0.1.4", "10.0.1.5"]), ("2", vec!["10.0.2.4"])] {
@@ -370,9 +392,13 @@ mod tests {
 
     #[test]
     fn a_pool_per_zone_and_a_rule_per_port_and_zone() {
-        let s = wanted_shape(&publication()).unwrap();
+        let s = wanted_shape(&publication(), pip).unwrap();
         assert_eq!(s.frontends.len(), 2);
-        assert_eq!(s.frontends["fe-1"].0, "1");
+        assert_eq!(s.frontends["fe-1"], "pip-1");
+        assert_eq!(
+            s.vnets["2"],
+            "/subscriptions/s/resourceGroups/g/providers/Microsoft.Network/virtualNetworks/v"
+        );
         assert_eq!(s.pools.keys().collect::<Vec<_>>(), ["z1", "z2"]);
         assert_eq!(s.pools["z1"].len(), 2);
         assert_eq!(
@@ -399,7 +425,7 @@ mod tests {
                 balance: Balance::FlowHash,
             },
         );
-        let s = wanted_shape(&p).unwrap();
+        let s = wanted_shape(&p, pip).unwrap();
         // The native primary only.
         assert_eq!(s.pools["z1-p443"].iter().collect::<Vec<_>>(), ["10.0.1.5"]);
         assert_eq!(s.rules["z1-p443"].1, "z1-p443");
@@ -413,7 +439,7 @@ mod tests {
     fn a_zone_needs_one_subnet() {
         let mut p = publication();
         p.subnets.remove("2");
-        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else {
+        let CloudError::Failed(e) = wanted_shape(&p, pip).unwrap_err() else {
             panic!()
         };
         assert!(e.contains("zone 2") && e.contains("node.subnets"), "{e}");
@@ -422,10 +448,16 @@ mod tests {
             .get_mut("2")
             .unwrap()
             .insert("/x/subnets/other".into());
-        let CloudError::Failed(e) = wanted_shape(&p).unwrap_err() else {
+        let CloudError::Failed(e) = wanted_shape(&p, pip).unwrap_err() else {
             panic!()
         };
-        assert!(e.contains("different subnets in zone 2"), "{e}");
+        assert!(e.contains("different virtual networks in zone 2"), "{e}");
+        // Two subnets of one network in a zone are fine.
+        let mut p = publication();
+        p.subnets.get_mut("2").unwrap().insert(
+            "/subscriptions/s/resourceGroups/g/providers/Microsoft.Network/virtualNetworks/v/subnets/more".into(),
+        );
+        assert!(wanted_shape(&p, pip).is_ok());
     }
 
     #[test]

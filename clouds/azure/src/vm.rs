@@ -14,8 +14,18 @@
 //!   `/etc/lbscale`, then `lbscale-node serve` on the node API port.
 //! - Log-in: an SSH key whose private half is thrown away (no one logs in;
 //!   Azure requires a credential on Linux VMs).
-//! - The VM is deleted with its interface and OS disk (`deleteOption: Delete`);
-//!   the interface is deleted again by name, in case the VM never took it.
+//! - A node gets a public IP address of its own (`…-pip`: Standard, static,
+//!   in the node's zone, tagged like the VM) on its interface: a `dns`
+//!   distributor's Traffic Manager endpoints are the nodes' public addresses.
+//!   A node of a group behind an `nlb` gets none: clients reach it through
+//!   the load balancer's public frontends, and an address of its own would
+//!   let them past it (and costs while it exists).
+//! - Without `node.security_groups`, the interface gets the group's own
+//!   network security group ([`crate::security_group`]).
+//! - The VM is deleted with its interface, OS disk and public IP
+//!   (`deleteOption: Delete`); the interface and the public IP are deleted
+//!   again by name, and public IPs tagged with the node id, in case the VM
+//!   never took them (a crash in between).
 
 use super::{arm, AzureCloud};
 use base64::Engine as _;
@@ -39,6 +49,10 @@ const GROUP_TAG: &str = "lbscale-group-id";
 struct NodeHandle {
     vm: String,
     nic: String,
+    /// Its public IP's name; none behind an `nlb` (and in handles of nodes
+    /// made before nodes had one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pip: Option<String>,
 }
 
 impl AzureCloud {
@@ -48,6 +62,21 @@ impl AzureCloud {
 
     fn nic_name(node_id: &str) -> String {
         format!("{}-nic", Self::name_of(node_id, 76))
+    }
+
+    fn pip_name(node_id: &str) -> String {
+        format!("{}-pip", Self::name_of(node_id, 76))
+    }
+
+    /// Whether a node of `group_id` gets a public IP: not behind an `nlb`
+    /// (clients come through the load balancer's frontends); behind a `dns`
+    /// distributor, and when the group is not in the store (a driver used
+    /// without the engine), it does.
+    fn gets_public_ip(&self, group_id: &str) -> Result<bool> {
+        Ok(!matches!(
+            self.store.distributor_of_group(group_id)?,
+            Some(d) if d.mode == lbscale_engine::model::DistributorMode::Nlb
+        ))
     }
 
     fn vm_path(&self, name: &str) -> String {
@@ -117,6 +146,9 @@ impl AzureCloud {
         let handle = NodeHandle {
             vm: vm.clone(),
             nic: nic.clone(),
+            pip: self
+                .gets_public_ip(&req.group_id)?
+                .then(|| Self::pip_name(&req.node_id)),
         };
         let mut tags: BTreeMap<String, String> = req.node.tags.clone();
         tags.insert(NODE_TAG.into(), req.node_id.clone());
@@ -147,16 +179,25 @@ impl AzureCloud {
                 CloudError::Failed(format!("the network interface {nic} of VM {vm} is gone"))
             })?
             .body;
-        let ip = nic_body["properties"]["ipConfigurations"][0]["properties"]["privateIPAddress"]
-            .as_str()
-            .ok_or_else(|| {
+        let ipc = &nic_body["properties"]["ipConfigurations"][0]["properties"];
+        let ip = ipc["privateIPAddress"].as_str().ok_or_else(|| {
+            CloudError::Failed(format!(
+                "the network interface {nic} of VM {vm} has no private address"
+            ))
+        })?;
+        // The interface's public IP, as it is (a VM found again keeps the
+        // one it was made with).
+        let public_ip = match ipc["publicIPAddress"]["id"].as_str() {
+            Some(id) => Some(self.public_ip_address(id).await?.ok_or_else(|| {
                 CloudError::Failed(format!(
-                    "the network interface {nic} of VM {vm} has no private address"
+                    "the public IP address {id} of VM {vm} is gone or has no address"
                 ))
-            })?;
+            })?),
+            None => None,
+        };
         Ok(Provisioned {
             private_ip: ip.to_string(),
-            public_ip: None,
+            public_ip,
             api_port: NODE_API_PORT,
             handle: serde_json::to_value(&handle).expect("handle"),
         })
@@ -172,9 +213,19 @@ impl AzureCloud {
     ) -> Result<()> {
         let mut nic_props = json!({"ipConfigurations": [{"name": "ipconfig1", "properties": {
             "subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic", "primary": true}}]});
-        if let Some(nsg) = req.node.security_groups.first() {
-            nic_props["networkSecurityGroup"] = json!({"id": nsg});
+        if let Some(pip) = &h.pip {
+            let made = self.ensure_public_ip(pip, &req.az, tags).await?;
+            nic_props["ipConfigurations"][0]["properties"]["publicIPAddress"] =
+                json!({"id": made.id});
         }
+        let nsg = match req.node.security_groups.first() {
+            Some(nsg) => nsg.clone(),
+            None => {
+                self.made_security_group(&req.group_id, &req.group_name, &req.node)
+                    .await?
+            }
+        };
+        nic_props["networkSecurityGroup"] = json!({"id": nsg});
         let nic_body = json!({"location": self.location, "tags": tags, "properties": nic_props});
         let what = format!("network interface PUT {}", h.nic);
         let nic = self
@@ -232,15 +283,28 @@ impl AzureCloud {
                 &self.nic_path(&h.nic),
                 NET_VERSION,
             )
-            .await
+            .await?;
+        // After the interface: Azure refuses to delete an address in use.
+        if let Some(pip) = &h.pip {
+            self.delete_public_ip(pip).await?;
+        }
+        Ok(())
     }
 
     pub(super) async fn deprovision_vm(&self, node: &NodeRow) -> Result<()> {
         let h = serde_json::from_value::<NodeHandle>(node.handle.clone()).unwrap_or(NodeHandle {
             vm: Self::vm_name(&node.id),
             nic: Self::nic_name(&node.id),
+            pip: Some(Self::pip_name(&node.id)),
         });
         self.delete_vm(&h).await?;
+        // Public IPs of this node that the handle does not name (a crash
+        // between the address and the VM, or a handle lost).
+        for name in self.public_ips_tagged(NODE_TAG, &node.id).await? {
+            if Some(&name) != h.pip.as_ref() {
+                self.delete_public_ip(&name).await?;
+            }
+        }
         // A VM of this node under another name (none is made so; a handle lost).
         for (name, (id, _)) in self.lbscale_vms().await? {
             if id == node.id && name != h.vm {

@@ -6,10 +6,12 @@
 use lbscale_cloud_azure::fake_testing::{fake, unique, Fake, CLIENT, TENANT};
 use lbscale_cloud_azure::{AzureCloud, NODE_API_PORT};
 use lbscale_engine::cloud::{
-    Balance, Cloud, Distributor, DriverStore, PortTargets, ProvisionRequest, Publication,
+    Balance, Cloud, Distributor, DriverStore, GroupResources, Listener, PortTargets,
+    ProvisionRequest, Publication, Transport,
 };
 use lbscale_engine::model::{
-    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, NodeSpec,
+    ThresholdSpec,
 };
 use lbscale_engine::nodeapi::auth;
 use lbscale_engine::store::{NodeRow, NodeState, Store};
@@ -256,11 +258,30 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         .map(|f| (f["name"].as_str().unwrap().to_string(), f.clone()))
         .collect();
     assert_eq!(fronts.len(), 2);
-    assert_eq!(fronts["fe-1"]["zones"], json!(["1"]));
-    assert!(fronts["fe-2"]["properties"]["subnet"]["id"]
-        .as_str()
-        .unwrap()
-        .eq_ignore_ascii_case(&subnets["2"]));
+    // Public: each zone's frontend is on a zonal Standard static public IP
+    // of its own (its zone is the address's; no subnet, no private address).
+    let mut vips = BTreeMap::new();
+    for zone in ["1", "2"] {
+        let f = &fronts[&format!("fe-{zone}")];
+        assert!(f["zones"].is_null(), "{f}");
+        assert!(f["properties"]["subnet"].is_null(), "{f}");
+        let pip_id = f["properties"]["publicIPAddress"]["id"].as_str().unwrap();
+        assert!(
+            pip_id.eq_ignore_ascii_case(&Fake::path(
+                &rg,
+                &format!("Microsoft.Network/publicIPAddresses/lbscale-{id}-fe-{zone}")
+            )),
+            "{pip_id}"
+        );
+        let pip = fake.resource(pip_id).expect("the frontend's public IP");
+        assert_eq!(pip["zones"], json!([zone]));
+        assert_eq!(pip["sku"]["name"], "Standard");
+        assert_eq!(pip["properties"]["publicIPAllocationMethod"], "Static");
+        assert_eq!(pip["tags"]["lbscale-distributor-id"], id.as_str());
+        let address = pip["properties"]["ipAddress"].as_str().unwrap().to_string();
+        assert!(address.starts_with(&fake.public_prefix()), "{address}");
+        vips.insert(zone.to_string(), address);
+    }
     let pools: BTreeMap<String, Vec<String>> = props["backendAddressPools"]
         .as_array()
         .unwrap()
@@ -281,15 +302,8 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
     assert_eq!(pools["z2"], ["10.0.2.4"]);
     assert_eq!(props["loadBalancingRules"].as_array().unwrap().len(), 4);
     assert_eq!(props["probes"].as_array().unwrap().len(), 2);
-    // Each zone's VIP is the frontend's address there.
-    let addresses = cloud.addresses(&id, &spec);
-    assert_eq!(
-        addresses["1"],
-        fronts["fe-1"]["properties"]["privateIPAddress"]
-            .as_str()
-            .unwrap()
-    );
-    assert_eq!(addresses.len(), 2);
+    // Each zone's VIP is its frontend's public address.
+    assert_eq!(cloud.addresses(&id, &spec), vips);
 
     // Another writer drops a member; a 412 (a write in between) is read again.
     let etag = lb["etag"].as_str().unwrap().to_string();
@@ -351,13 +365,35 @@ async fn an_nlb_distributor_is_a_standard_load_balancer_written_under_its_etag()
         "{writes:?}"
     );
 
-    // Nothing published: no load balancer.
+    // Zone 2 no longer served: its frontend and then its address go; zone 1
+    // keeps its address.
+    let mut one = p.clone();
+    one.ports.remove("2");
+    one.endpoints.remove("2");
+    cloud.publish(&id, &spec, &one).await.expect("one zone");
+    let pips = |f: &Fake| {
+        f.resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+            .into_keys()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        pips(&fake),
+        [Fake::path(
+            &rg,
+            &format!("Microsoft.Network/publicIPAddresses/lbscale-{id}-fe-1")
+        )
+        .to_ascii_lowercase()]
+    );
+    assert_eq!(cloud.addresses(&id, &spec)["1"], vips["1"]);
+
+    // Nothing published: no load balancer, no address.
     cloud
         .publish(&id, &spec, &Publication::default())
         .await
         .expect("empty");
     assert!(fake.resource(&lb_path).is_none());
     assert!(cloud.addresses(&id, &spec).is_empty());
+    assert!(pips(&fake).is_empty(), "{:?}", pips(&fake));
 }
 
 /// What a client reads but must not send back (Azure's SDKs leave it out).
@@ -537,6 +573,36 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
         .unwrap()
         .eq_ignore_ascii_case(&subnets["2"]));
     assert_eq!(ipc["privateIPAddress"].as_str().unwrap(), p.private_ip);
+    // Its public IP: Standard, static, in the node's zone, tagged like the
+    // VM; its address is the node's public address.
+    let pip_path = Fake::path(
+        &rg,
+        &format!("Microsoft.Network/publicIPAddresses/lbscale-{node_id}-pip"),
+    );
+    assert!(ipc["publicIPAddress"]["id"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(&pip_path));
+    let pip = fake.resource(&pip_path).expect("its public IP");
+    assert_eq!(pip["sku"]["name"], "Standard");
+    assert_eq!(pip["properties"]["publicIPAllocationMethod"], "Static");
+    assert_eq!(pip["zones"], json!(["2"]));
+    assert_eq!(pip["tags"]["lbscale-node-id"], node_id.as_str());
+    assert_eq!(pip["tags"]["lbscale-group-id"], "g-azure");
+    assert_eq!(pip["tags"]["team"], "web");
+    let public = p.public_ip.clone().expect("a public address");
+    assert_eq!(pip["properties"]["ipAddress"].as_str().unwrap(), public);
+    assert!(public.starts_with(&fake.public_prefix()), "{public}");
+    assert!(p.private_ip.starts_with(&fake.private_prefix()), "{p:?}");
+    // No node.security_groups: the group's own NSG is on the interface.
+    let nsg_path = Fake::path(
+        &rg,
+        "Microsoft.Network/networkSecurityGroups/lbscale-g-azure",
+    );
+    assert!(nic["properties"]["networkSecurityGroup"]["id"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(&nsg_path));
     let disk = vm["properties"]["storageProfile"]["osDisk"]["managedDisk"]["id"]
         .as_str()
         .unwrap()
@@ -546,6 +612,7 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
     // Run again (a crash before the handle was kept): the same VM, found by its tag.
     let again = cloud.provision(&req).await.expect("provision again");
     assert_eq!(again.private_ip, p.private_ip);
+    assert_eq!(again.public_ip, p.public_ip);
     let vms = fake.resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"));
     assert_eq!(vms.len(), 1, "{vms:?}");
 
@@ -564,6 +631,10 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
     assert!(fake.resource(&vm_path).is_none());
     assert!(fake.resource(nic_id).is_none(), "the NIC went with the VM");
     assert!(
+        fake.resource(&pip_path).is_none(),
+        "the public IP went with the VM"
+    );
+    assert!(
         fake.state()["disks"].get(&disk).is_none(),
         "the disk went with the VM"
     );
@@ -580,6 +651,363 @@ async fn a_node_is_a_vm_in_its_zone_s_subnet_found_by_tag_and_deleted_with_its_n
     assert!(fake
         .resources_under(&Fake::path(&rg, "Microsoft.Compute/virtualMachines/"))
         .is_empty());
+
+    // A crash after the public IP, before the VM (and the VM's start fails
+    // for good): the address is found by its node id tag and deleted.
+    let crashed = unique("crashed");
+    let stray = Fake::path(
+        &rg,
+        &format!("Microsoft.Network/publicIPAddresses/{crashed}-elsewhere"),
+    );
+    let (code, body) = fake.arm(
+        "PUT",
+        &format!("{stray}?api-version=2025-07-01"),
+        Some(
+            json!({"location": "westeurope", "zones": ["1"], "sku": {"name": "Standard"},
+                    "tags": {"lbscale-node-id": crashed, "lbscale-group-id": "g-azure"},
+                    "properties": {"publicIPAllocationMethod": "Static"}}),
+        ),
+    );
+    assert_eq!(code, 201, "{body}");
+    let req = request(&crashed, "1", node.clone());
+    cloud.deprovision(&row(&req, Value::Null)).await.unwrap();
+    assert!(fake.resource(&stray).is_none(), "found by its tag");
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+        .is_empty());
+}
+
+fn group_spec(distributor_id: &str, node: &NodeSpec) -> GroupSpec {
+    let d = |s: &str| DeclaredDuration::parse(s).unwrap();
+    GroupSpec {
+        name: unique("g"),
+        cloud: CloudName::Azure,
+        availability_zones: vec!["1".into()],
+        traffic_distributor_id: distributor_id.into(),
+        min_nodes: 1,
+        max_nodes: 2,
+        stats_interval: d("5s"),
+        watch_time: d("10s"),
+        cooldown: d("10s"),
+        drain_timeout: d("1s"),
+        thresholds: vec![ThresholdSpec {
+            metric: Metric::Cpu,
+            min: 10.0,
+            max: 70.0,
+        }],
+        node: Some(node.clone()),
+        apply_timeout: d("60s"),
+    }
+}
+
+/// A node behind an `nlb` has no public IP (clients come through the load
+/// balancer's frontends); behind a `dns` distributor it has one, and the
+/// fake relays the node's public address to its private one on the ports
+/// that its security group opens from the Internet, only those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_s_public_address_is_its_own_behind_dns_and_none_behind_an_nlb() {
+    let Some(fake) = fake("a_node_s_public_address_is_its_own_behind_dns_and_none_behind_an_nlb")
+    else {
+        return;
+    };
+    let rg = unique("rg-pip");
+    let subnets = fake.network(&rg, &["1"]);
+    let store = store("pip");
+    let cloud = driver(&fake, &rg, &store);
+    let node = NodeSpec {
+        image: Some("Canonical:ubuntu-24_04-lts:server:latest".into()),
+        subnets,
+        ..NodeSpec::default()
+    };
+    let nlb_id = unique("n");
+    store
+        .insert_distributor(
+            &nlb_id,
+            &DistributorSpec {
+                name: unique("nlb"),
+                cloud: CloudName::Azure,
+                mode: DistributorMode::Nlb,
+                domain: None,
+                ttl: DeclaredDuration::parse("60s").unwrap(),
+            },
+        )
+        .unwrap();
+    let dns_id = unique("d");
+    store
+        .insert_distributor(&dns_id, &dns_spec("pip.invalid", "30s"))
+        .unwrap();
+    let (g_nlb, g_dns) = (unique("gn"), unique("gd"));
+    store
+        .insert_group(&g_nlb, &group_spec(&nlb_id, &node), "t0ken")
+        .unwrap();
+    store
+        .insert_group(&g_dns, &group_spec(&dns_id, &node), "t0ken")
+        .unwrap();
+
+    let mut behind_nlb = request(&unique("n"), "1", node.clone());
+    behind_nlb.group_id = g_nlb.clone();
+    let p = cloud.provision(&behind_nlb).await.expect("provision");
+    assert_eq!(p.public_ip, None);
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+        .is_empty());
+    cloud
+        .deprovision(&row(&behind_nlb, p.handle))
+        .await
+        .unwrap();
+
+    let mut behind_dns = request(&unique("n"), "1", node.clone());
+    behind_dns.group_id = g_dns.clone();
+    cloud
+        .prepare_group(&GroupResources {
+            group_id: g_dns.clone(),
+            group_name: "gd".into(),
+            availability_zones: vec!["1".into()],
+            node: node.clone(),
+            listeners: vec![Listener {
+                port: 8080,
+                protocol: Transport::Tcp,
+            }],
+        })
+        .await
+        .expect("prepare");
+    let p = cloud.provision(&behind_dns).await.expect("provision");
+    let public = p.public_ip.clone().expect("a public address");
+    assert_ne!(public, p.private_ip);
+    // Azure's NAT, as the fake emulates it: the vserver port reaches the
+    // private address; the node API port does not (the NSG opens it to the
+    // virtual network only, and the engine dials the private address).
+    let relays = fake.relays();
+    assert_eq!(
+        relays.get(&format!("{public}:8080")),
+        Some(&vec![format!("{}:8080", p.private_ip)]),
+        "{relays:?}"
+    );
+    assert!(
+        !relays.contains_key(&format!("{public}:{NODE_API_PORT}")),
+        "{relays:?}"
+    );
+    cloud
+        .deprovision(&row(&behind_dns, p.handle))
+        .await
+        .unwrap();
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+        .is_empty());
+    assert!(!fake
+        .relays()
+        .keys()
+        .any(|k| k.starts_with(&format!("{public}:"))));
+    cloud.release_group(&g_dns).await.unwrap();
+    cloud.release_group(&g_nlb).await.unwrap();
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/networkSecurityGroups/"))
+        .is_empty());
+}
+
+fn inbound(nsg: &Value) -> BTreeMap<String, (i64, String, String, String, Vec<String>)> {
+    nsg["properties"]["securityRules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let p = &r["properties"];
+            assert_eq!(p["direction"], "Inbound", "{r}");
+            let mut sources: Vec<String> = match p["sourceAddressPrefix"].as_str() {
+                Some(s) => vec![s.to_string()],
+                None => p["sourceAddressPrefixes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s.as_str().unwrap().to_string())
+                    .collect(),
+            };
+            sources.sort();
+            (
+                r["name"].as_str().unwrap().to_string(),
+                (
+                    p["priority"].as_i64().unwrap(),
+                    p["access"].as_str().unwrap().to_string(),
+                    p["protocol"].as_str().unwrap().to_string(),
+                    p["destinationPortRange"].as_str().unwrap().to_string(),
+                    sources,
+                ),
+            )
+        })
+        .collect()
+}
+
+/// A group without node.security_groups gets an NSG of its own: the
+/// vservers' ports from anywhere, the node API port from management_cidrs
+/// (default: the virtual network's ranges) and denied from anywhere else;
+/// kept exact at every prepare, left for a given NSG, deleted with the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_s_own_nsg_opens_the_vservers_and_the_node_api_to_management_only() {
+    let Some(fake) =
+        fake("a_group_s_own_nsg_opens_the_vservers_and_the_node_api_to_management_only")
+    else {
+        return;
+    };
+    let rg = unique("rg-nsg");
+    let subnets = fake.network(&rg, &["1", "2"]);
+    let store = store("nsg");
+    let cloud = driver(&fake, &rg, &store);
+    let group_id = unique("g");
+    let nsg_path = Fake::path(
+        &rg,
+        &format!("Microsoft.Network/networkSecurityGroups/lbscale-{group_id}"),
+    );
+    let mut g = GroupResources {
+        group_id: group_id.clone(),
+        group_name: "web".into(),
+        availability_zones: vec!["1".into(), "2".into()],
+        node: NodeSpec {
+            image: Some("Canonical:ubuntu-24_04-lts:server:latest".into()),
+            subnets: subnets.clone(),
+            ..NodeSpec::default()
+        },
+        listeners: vec![
+            Listener {
+                port: 8080,
+                protocol: Transport::Tcp,
+            },
+            Listener {
+                port: 5353,
+                protocol: Transport::Udp,
+            },
+        ],
+    };
+    cloud.prepare_group(&g).await.expect("prepare");
+    let nsg = fake.resource(&nsg_path).expect("the group's NSG");
+    assert_eq!(nsg["tags"]["lbscale-group-id"], group_id.as_str());
+    let any = || vec!["*".to_string()];
+    let want = |api_sources: Option<Vec<String>>| {
+        let mut m: BTreeMap<String, (i64, String, String, String, Vec<String>)> = [
+            (
+                "vserver-udp-5353".to_string(),
+                (100, "Allow".into(), "Udp".into(), "5353".into(), any()),
+            ),
+            (
+                "vserver-tcp-8080".to_string(),
+                (101, "Allow".into(), "Tcp".into(), "8080".into(), any()),
+            ),
+            (
+                "node-api-deny".to_string(),
+                (4000, "Deny".into(), "Tcp".into(), "9990".into(), any()),
+            ),
+        ]
+        .into();
+        if let Some(s) = api_sources {
+            m.insert(
+                "node-api".into(),
+                (1000, "Allow".into(), "Tcp".into(), "9990".into(), s),
+            );
+        }
+        m
+    };
+    // The network's address space (fake.network: 10.0.0.0/16).
+    assert_eq!(inbound(&nsg), want(Some(vec!["10.0.0.0/16".into()])));
+
+    // An unchanged group writes nothing; a change made outside lbscale is undone.
+    let puts = |f: &Fake| {
+        f.requests()
+            .iter()
+            .filter(|r| {
+                r["method"] == "PUT" && r["path"].as_str().unwrap().eq_ignore_ascii_case(&nsg_path)
+            })
+            .count()
+    };
+    let before = puts(&fake);
+    cloud.prepare_group(&g).await.unwrap();
+    assert_eq!(puts(&fake), before);
+    let mut theirs = nsg.clone();
+    theirs["properties"]["securityRules"].as_array_mut().unwrap().push(json!({"name": "ssh",
+        "properties": {"protocol": "Tcp", "access": "Allow", "priority": 200, "direction": "Inbound",
+                       "sourcePortRange": "*", "sourceAddressPrefix": "*", "destinationAddressPrefix": "*",
+                       "destinationPortRange": "22"}}));
+    theirs["properties"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|k, _| k == "securityRules");
+    for k in ["id", "name", "type", "etag"] {
+        theirs.as_object_mut().unwrap().remove(k);
+    }
+    strip_read_only(&mut theirs);
+    let (code, body) = fake.arm(
+        "PUT",
+        &format!("{nsg_path}?api-version=2025-07-01"),
+        Some(theirs),
+    );
+    assert_eq!(code, 200, "{body}");
+    // management_cidrs given, a vserver gone.
+    g.node.management_cidrs = vec!["192.0.2.0/24".into(), "198.51.100.7/32".into()];
+    g.listeners.retain(|l| l.port == 8080);
+    cloud.prepare_group(&g).await.unwrap();
+    let mut w = want(Some(vec!["192.0.2.0/24".into(), "198.51.100.7/32".into()]));
+    w.remove("vserver-udp-5353");
+    w.get_mut("vserver-tcp-8080").unwrap().0 = 100;
+    assert_eq!(inbound(&fake.resource(&nsg_path).unwrap()), w);
+
+    // A node's interface has it; it cannot go while the interface exists.
+    let node_id = unique("n");
+    let mut req = request(&node_id, "1", g.node.clone());
+    req.group_id = group_id.clone();
+    let p = cloud.provision(&req).await.expect("provision");
+    let nic = fake
+        .resource(&Fake::path(
+            &rg,
+            &format!("Microsoft.Network/networkInterfaces/lbscale-{node_id}-nic"),
+        ))
+        .unwrap();
+    assert!(nic["properties"]["networkSecurityGroup"]["id"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(&nsg_path));
+    // node.security_groups given: the made NSG is left while in use (said in
+    // the log), and a new node gets the given one.
+    let given = Fake::path(&rg, "Microsoft.Network/networkSecurityGroups/theirs");
+    let (code, body) = fake.arm(
+        "PUT",
+        &format!("{given}?api-version=2025-07-01"),
+        Some(json!({"location": "westeurope", "properties": {"securityRules": []}})),
+    );
+    assert_eq!(code, 201, "{body}");
+    let mut with_given = g.clone();
+    with_given.node.security_groups = vec![given.clone()];
+    cloud
+        .prepare_group(&with_given)
+        .await
+        .expect("left while in use");
+    assert!(fake.resource(&nsg_path).is_some());
+    cloud.deprovision(&row(&req, p.handle)).await.unwrap();
+    let other = unique("n");
+    let mut req = request(&other, "1", with_given.node.clone());
+    req.group_id = group_id.clone();
+    let p = cloud.provision(&req).await.unwrap();
+    let nic = fake
+        .resource(&Fake::path(
+            &rg,
+            &format!("Microsoft.Network/networkInterfaces/lbscale-{other}-nic"),
+        ))
+        .unwrap();
+    assert!(nic["properties"]["networkSecurityGroup"]["id"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(&given));
+    cloud.prepare_group(&with_given).await.unwrap();
+    assert!(fake.resource(&nsg_path).is_none(), "deleted once unused");
+    cloud.deprovision(&row(&req, p.handle)).await.unwrap();
+
+    // Back without a given one, then the group's destroy.
+    cloud.prepare_group(&g).await.unwrap();
+    assert!(fake.resource(&nsg_path).is_some());
+    cloud.release_group(&group_id).await.unwrap();
+    assert!(fake.resource(&nsg_path).is_none());
+    assert!(
+        fake.resource(&given).is_some(),
+        "a given NSG is never touched"
+    );
+    cloud.release_group(&group_id).await.expect("idempotent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

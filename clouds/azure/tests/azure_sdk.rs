@@ -1,18 +1,23 @@
 //! Azure's own Python SDKs (tests/sdk/azure_sdk_client.py, pinned in
 //! scripts/azure-sdk.sh) against the fake ARM server: they read back what the
 //! driver made (pool members and Traffic Manager endpoints equal the serving
-//! nodes' addresses, the CNAME points at the profile, the VM carries its tags)
+//! nodes' addresses, the CNAME points at the profile, the VM carries its tags,
+//! the load balancer's frontends and the node are on public IPs of their
+//! own, the group's NSG has the documented rules)
 //! and make changes that the driver must then see. The fake speaks Azure's
 //! wire format if Azure's own clients work against it.
 
 use lbscale_cloud_azure::fake_testing::{fake, unique, Fake, CLIENT, SECRET, SUBSCRIPTION, TENANT};
 use lbscale_cloud_azure::AzureCloud;
-use lbscale_engine::cloud::{Cloud, Distributor, DriverStore, ProvisionRequest, Publication};
+use lbscale_engine::cloud::{
+    Cloud, Distributor, DriverStore, GroupResources, Listener, ProvisionRequest, Publication,
+    Transport,
+};
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, NodeSpec,
 };
 use lbscale_engine::nodeapi::auth;
-use lbscale_engine::store::Store;
+use lbscale_engine::store::{NodeRow, NodeState, Store};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -131,13 +136,26 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
     assert_eq!(lb["sku"], "Standard");
     assert_eq!(strings(&lb["pools"]["z1"]), ["10.0.1.4", "10.0.1.5"]);
     assert_eq!(strings(&lb["pools"]["z2"]), ["10.0.2.4"]);
-    assert_eq!(lb["frontends"]["fe-2"]["zones"], serde_json::json!(["2"]));
+    // Public: the zone's frontend is on a zonal public IP (its zone is the
+    // address's), which is the zone's VIP.
+    assert!(lb["frontends"]["fe-2"]["zones"].is_null(), "{lb}");
+    let pips = sdk.run(&["pips", &rg]);
+    let fe2 = &pips[format!("lbscale-{nlb_id}-fe-2")];
+    assert!(lb["frontends"]["fe-2"]["public_ip"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(fe2["id"].as_str().unwrap()));
+    assert_eq!(fe2["zones"], serde_json::json!(["2"]));
+    assert_eq!(
+        (&fe2["sku"], &fe2["method"]),
+        (&"Standard".into(), &"Static".into())
+    );
     assert_eq!(lb["rules"]["z2-p80"]["pool"], "z2");
     assert_eq!(lb["rules"]["z2-p80"]["probe"], "p80");
     assert_eq!(lb["probes"]["p80"]["port"], 80);
     assert_eq!(
         cloud.addresses(&nlb_id, &nlb)["2"],
-        lb["frontends"]["fe-2"]["ip"].as_str().unwrap()
+        fe2["address"].as_str().unwrap()
     );
     // The SDK drops a member (under the ETag it read); the driver puts it back.
     sdk.run(&["lb-drop-address", &rg, &lb_name, "z1", "10.0.1.5"]);
@@ -209,14 +227,90 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
             ..NodeSpec::default()
         },
     };
-    cloud.provision(&req).await.expect("provision");
+    let group = GroupResources {
+        group_id: "g-sdk".into(),
+        group_name: "g-sdk".into(),
+        availability_zones: vec!["1".into()],
+        node: req.node.clone(),
+        listeners: vec![Listener {
+            port: 8080,
+            protocol: Transport::Tcp,
+        }],
+    };
+    cloud
+        .prepare_group(&group)
+        .await
+        .expect("prepare the group");
+    let made = cloud.provision(&req).await.expect("provision");
     let vms = sdk.run(&["vms", &rg]);
     let vm = &vms[format!("lbscale-{node_id}")];
     assert_eq!(vm["tags"]["lbscale-node-id"], node_id.as_str());
     assert_eq!(vm["zones"], serde_json::json!(["1"]));
     assert_eq!(vm["state"], "Succeeded");
+    // Its public IP, on its interface, is the node's public address.
+    let nic = sdk.run(&["nic", &rg, &format!("lbscale-{node_id}-nic")]);
+    let pips = sdk.run(&["pips", &rg]);
+    let pip = &pips[format!("lbscale-{node_id}-pip")];
+    assert!(nic["public_ip"]
+        .as_str()
+        .unwrap()
+        .eq_ignore_ascii_case(pip["id"].as_str().unwrap()));
+    assert_eq!(pip["address"].as_str(), made.public_ip.as_deref());
+    assert_eq!(pip["zones"], serde_json::json!(["1"]));
+    assert_eq!(pip["tags"]["lbscale-node-id"], node_id.as_str());
+    assert!(pip["attached_to"]
+        .as_str()
+        .unwrap()
+        .to_ascii_lowercase()
+        .contains(&format!("lbscale-{node_id}-nic")));
+    // The group's NSG, on the interface, as Network's SDK reads it.
+    let nsg = sdk.run(&["nsg", &rg, "lbscale-g-sdk"]);
+    assert!(nic["nsg"]
+        .as_str()
+        .unwrap()
+        .to_ascii_lowercase()
+        .ends_with("/networksecuritygroups/lbscale-g-sdk"));
+    let rules = &nsg["rules"];
+    assert_eq!(
+        rules["vserver-tcp-8080"]["sources"],
+        serde_json::json!(["*"])
+    );
+    assert_eq!(rules["vserver-tcp-8080"]["port"], "8080");
+    assert_eq!(
+        rules["node-api"]["sources"],
+        serde_json::json!(["10.0.0.0/16"])
+    );
+    assert_eq!(rules["node-api"]["port"], "9990");
+    assert_eq!(rules["node-api-deny"]["access"], "Deny");
+    assert_eq!(rules.as_object().unwrap().len(), 3, "{nsg}");
+    assert!(strings(&nsg["defaults"]).contains(&"DenyAllInBound".to_string()));
+    // The SDK opens a port; the driver's next prepare closes it again.
+    sdk.run(&["nsg-add-rule", &rg, "lbscale-g-sdk", "ssh", "300", "22"]);
+    assert!(sdk.run(&["nsg", &rg, "lbscale-g-sdk"])["rules"]["ssh"].is_object());
+    cloud.prepare_group(&group).await.unwrap();
+    assert!(sdk.run(&["nsg", &rg, "lbscale-g-sdk"])["rules"]["ssh"].is_null());
 
     cloud.remove(&dns_id).await.unwrap();
     assert!(sdk.run(&["cname", &rg, &zone, "www"])["error"].is_string());
     cloud.remove(&nlb_id).await.unwrap();
+    cloud
+        .deprovision(&NodeRow {
+            id: node_id.clone(),
+            group_id: "g-sdk".into(),
+            az: "1".into(),
+            seq: 1,
+            state: NodeState::Active,
+            private_ip: made.private_ip.clone(),
+            public_ip: made.public_ip.clone(),
+            registered: false,
+            handle: made.handle.clone(),
+            created_at: 0,
+        })
+        .await
+        .unwrap();
+    cloud.release_group("g-sdk").await.unwrap();
+    // Gone: the load balancer's and the node's public IPs, the NSG.
+    let left = sdk.run(&["pips", &rg]);
+    assert!(left.as_object().unwrap().is_empty(), "{left}");
+    assert!(sdk.run(&["nsg", &rg, "lbscale-g-sdk"])["error"].is_string());
 }

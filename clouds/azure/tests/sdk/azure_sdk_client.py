@@ -67,7 +67,9 @@ def main(cmd, *a):
         return {
             "etag": lb.etag,
             "sku": lb.sku.name,
-            "frontends": {f.name: {"zones": f.zones, "ip": f.private_ip_address} for f in lb.frontend_ip_configurations},
+            "frontends": {f.name: {"zones": f.zones, "ip": f.private_ip_address,
+                                   "public_ip": f.public_ip_address.id if f.public_ip_address else None}
+                          for f in lb.frontend_ip_configurations},
             "pools": {p.name: sorted(x.ip_address for x in (p.load_balancer_backend_addresses or [])) for p in lb.backend_address_pools},
             "rules": {r.name: {"port": r.frontend_port, "backend_port": r.backend_port, "protocol": r.protocol,
                                "frontend": r.frontend_ip_configuration.id.rsplit("/", 1)[-1],
@@ -115,6 +117,41 @@ def main(cmd, *a):
         d = DnsManagementClient(cred, sub, **kw)
         r = d.record_sets.create_or_update(rg, zone, name, "CNAME", {"ttl": 300, "cname_record": {"cname": target}})
         return {"fqdn": r.fqdn}
+    if cmd == "pips":
+        # pips RG: the resource group's public IP addresses.
+        rg, = a
+        return {p.name: {"id": p.id, "zones": p.zones, "sku": p.sku.name, "method": p.public_ip_allocation_method,
+                         "address": p.ip_address, "tags": p.tags,
+                         "attached_to": p.ip_configuration.id if p.ip_configuration else None}
+                for p in network().public_ip_addresses.list(rg, api_version=NETWORK)}
+    if cmd == "nic":
+        rg, name = a
+        n = network().network_interfaces.get(rg, name, api_version=NETWORK)
+        ipc = n.ip_configurations[0]
+        return {"private": ipc.private_ip_address,
+                "public_ip": ipc.public_ip_address.id if ipc.public_ip_address else None,
+                "nsg": n.network_security_group.id if n.network_security_group else None}
+    if cmd == "nsg":
+        # nsg RG NAME: its inbound rules, or the error's type.
+        rg, name = a
+        try:
+            g = network().network_security_groups.get(rg, name, api_version=NETWORK)
+        except Exception as e:
+            return {"error": type(e).__name__}
+        return {"tags": g.tags, "rules": {r.name: {"priority": r.priority, "access": r.access, "protocol": r.protocol,
+                                                    "direction": r.direction, "port": r.destination_port_range,
+                                                    "sources": sorted(r.source_address_prefixes or [r.source_address_prefix])}
+                                           for r in g.security_rules},
+                "defaults": sorted(r.name for r in g.default_security_rules)}
+    if cmd == "nsg-add-rule":
+        # nsg-add-rule RG NAME RULE PRIORITY PORT: another writer opens a port.
+        rg, name, rule, priority, port = a
+        n = network()
+        n.security_rules.begin_create_or_update(rg, name, rule, {"properties": {
+            "protocol": "Tcp", "access": "Allow", "direction": "Inbound", "priority": int(priority),
+            "sourceAddressPrefix": "*", "sourcePortRange": "*", "destinationAddressPrefix": "*",
+            "destinationPortRange": port}}, api_version=NETWORK).result()
+        return {}
     if cmd == "vms":
         rg, = a
         c = ComputeManagementClient(cred, sub, **kw)
