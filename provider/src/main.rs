@@ -4,6 +4,7 @@ mod azure_block;
 mod common;
 mod data_sources;
 mod gcp_block;
+mod nodelay;
 mod provider;
 mod resources;
 
@@ -15,5 +16,6 @@ async fn main() -> anyhow::Result<()> {
     // honour RUST_BACKTRACE. Our own diagnostics never capture one (common::diag).
     // Set before any other thread starts.
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    nodelay::before_handshake();
     tf_provider::serve("lbscale", provider::LbscaleProvider::default()).await
 }
