@@ -4,6 +4,10 @@
 //! with `--run-custom-data` and the built lbscale-node), so a group's node
 //! really serves, at the loopback private address the fake gave it: apply,
 //! an empty plan, the daemon scaling out under load and back in, destroy.
+//! The fake relays a public address (a node's, an nlb frontend's) to the
+//! private one on the ports that the NSGs open, as Azure's NAT does: clients
+//! here reach the nodes at the addresses that Traffic Manager and the load
+//! balancer hand out.
 
 use lbscale_acceptance::*;
 use lbscale_cloud_azure::fake_testing::{fake, unique, Fake, CLIENT, SECRET, SUBSCRIPTION, TENANT};
@@ -101,10 +105,51 @@ output "endpoints" {{ value = lbscale_traffic_distributor.d.endpoints }}
         "Microsoft.Network/trafficmanagerprofiles/",
     ));
     let profile = profiles.values().next().expect("a profile");
+    // Its endpoints are the nodes' public IPs (each node's own, in its zone).
+    let group_id = ws.engine().group_named("azg").unwrap().unwrap().id;
+    let mut publics: Vec<String> = ws
+        .engine()
+        .node_rows(&group_id)
+        .unwrap()
+        .into_iter()
+        .map(|n| n.public_ip.expect("a public address"))
+        .collect();
+    publics.sort();
+    let mut endpoints: Vec<String> = profile["properties"]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["properties"]["target"].as_str().unwrap().to_string())
+        .collect();
+    endpoints.sort();
+    assert_eq!(endpoints, publics, "{profile}");
+    assert!(
+        publics.iter().all(|a| a.starts_with(&fake.public_prefix())),
+        "{publics:?}"
+    );
+    let pips = fake.resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"));
+    let mut pip_addresses: Vec<String> = pips
+        .values()
+        .map(|p| {
+            assert_eq!(p["sku"]["name"], "Standard");
+            p["properties"]["ipAddress"].as_str().unwrap().to_string()
+        })
+        .collect();
+    pip_addresses.sort();
+    assert_eq!(pip_addresses, publics);
+    // The group's own NSG: the node API from the network's range only.
+    let nsgs = fake.resources_under(&Fake::path(&rg, "Microsoft.Network/networkSecurityGroups/"));
+    assert_eq!(nsgs.len(), 1, "{nsgs:?}");
+    let rules = nsgs.values().next().unwrap()["properties"]["securityRules"].clone();
+    let api = rules
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "node-api")
+        .expect("the node API rule");
     assert_eq!(
-        profile["properties"]["endpoints"].as_array().unwrap().len(),
-        2,
-        "{profile}"
+        api["properties"]["sourceAddressPrefixes"],
+        serde_json::json!(["10.0.0.0/16"])
     );
     let cname = fake
         .resource(&format!("{zone_path}/CNAME/www"))
@@ -124,9 +169,14 @@ output "endpoints" {{ value = lbscale_traffic_distributor.d.endpoints }}
     assert!(fake
         .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
         .is_empty());
-    assert!(fake
-        .resources_under(&Fake::path(&rg, "Microsoft.Network/networkInterfaces/"))
-        .is_empty());
+    for gone in [
+        "networkInterfaces",
+        "publicIPAddresses",
+        "networkSecurityGroups",
+    ] {
+        let left = fake.resources_under(&Fake::path(&rg, &format!("Microsoft.Network/{gone}/")));
+        assert!(left.is_empty(), "{gone} left after destroy: {left:?}");
+    }
     assert!(fake
         .resources_under(&Fake::path(
             &rg,
@@ -226,7 +276,7 @@ fn the_daemon_scales_an_azure_group_out_under_load_and_back_in() {
             .unwrap()
             .into_iter()
             .filter(|n| n.registered && n.state.as_str() == "active")
-            .map(|n| n.private_ip)
+            .map(|n| n.public_ip.expect("a public address"))
             .collect()
     };
     let targets = |fake: &Fake| -> Vec<String> {
@@ -263,6 +313,8 @@ fn the_daemon_scales_an_azure_group_out_under_load_and_back_in() {
         ("AZURE_CLIENT_SECRET", SECRET),
     ];
     let daemon = Daemon::start_with(&ws, 19571, "azure", &env);
+    // At the node's public address, as Traffic Manager hands it out: the
+    // fake relays it to the node (the group's NSG opens the vserver's port).
     let load = Load::start(&first[0], &format!("www.{zone}"));
     let both = wait_for(
         "scale-out to 2 serving VMs",
@@ -306,6 +358,118 @@ fn the_daemon_scales_an_azure_group_out_under_load_and_back_in() {
     assert!(fake
         .resources_under(&Fake::path(&rg, "Microsoft.Compute/"))
         .is_empty());
+    assert!(fake
+        .resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+        .is_empty());
+}
+
+/// An nlb distributor is a public Standard Load Balancer: each zone's VIP is
+/// a zonal public IP, and a client reaches the group's vserver through it
+/// (the fake relays a frontend's rule to its pool's members, through their
+/// NSG). The nodes behind it have no public IP of their own.
+#[test]
+fn an_azure_nlb_is_public_and_serves_through_its_zone_s_public_address() {
+    let Some(fake) = fake("an_azure_nlb_is_public_and_serves_through_its_zone_s_public_address")
+    else {
+        return;
+    };
+    let rg = unique("rg-nlb");
+    let subnets = fake.network(&rg, &["1"]);
+    let backend = http_backend("azure-nlb-backend");
+    let mut ws = Workspace::new("azure-nlb", 155);
+    ws.provider_blocks = azure_block(&fake, &rg);
+    ws.write(&format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name  = "aznlb"
+  cloud = "azure"
+  mode  = "nlb"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "aznlbg"
+  cloud                  = "azure"
+  availability_zones     = ["1"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = 2
+  apply_timeout          = "60s"
+  drain_timeout          = "1s"
+  node {{
+    image   = "Canonical:ubuntu-24_04-lts:server:latest"
+    subnets = {{ "1" = "{s1}" }}
+  }}
+  threshold {{
+    metric = "cpu"
+    min    = 10
+    max    = 70
+  }}
+}}
+
+resource "lbscale_se_group" "s" {{
+  name               = "aznlb-se"
+  autoscale_group_id = lbscale_autoscale_group.g.id
+}}
+
+resource "lbscale_vserver" "web" {{
+  name         = "aznlb-web"
+  se_group_id  = lbscale_se_group.s.id
+  service_type = "HTTP"
+  port         = 8080
+  service {{
+    name    = "b"
+    address = "127.0.0.1"
+    port    = {backend}
+  }}
+}}
+"#,
+        s1 = subnets["1"],
+    ));
+    ws.apply();
+    let lbs = fake.resources_under(&Fake::path(&rg, "Microsoft.Network/loadBalancers/"));
+    assert_eq!(lbs.len(), 1, "{lbs:?}");
+    let front = lbs.values().next().unwrap()["properties"]["frontendIPConfigurations"][0].clone();
+    let pip = fake
+        .resource(
+            front["properties"]["publicIPAddress"]["id"]
+                .as_str()
+                .expect("a public frontend"),
+        )
+        .unwrap();
+    assert_eq!(pip["zones"], serde_json::json!(["1"]));
+    let vip = pip["properties"]["ipAddress"].as_str().unwrap().to_string();
+    assert!(vip.starts_with(&fake.public_prefix()), "{vip}");
+    // No public IP but the frontend's: the nodes are behind the load balancer.
+    assert_eq!(
+        fake.resources_under(&Fake::path(&rg, "Microsoft.Network/publicIPAddresses/"))
+            .len(),
+        1
+    );
+    let group_id = ws.engine().group_named("aznlbg").unwrap().unwrap().id;
+    assert!(ws
+        .engine()
+        .node_rows(&group_id)
+        .unwrap()
+        .iter()
+        .all(|n| n.public_ip.is_none()));
+    let (status, _, body) = wait_for(
+        "an answer through the nlb's public address",
+        Duration::from_secs(30),
+        || http_get(&vip, 8080, "aznlb.example").ok(),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("azure-nlb-backend"), "{body}");
+    ws.assert_plan_empty("an azure nlb group");
+    ws.destroy();
+    for gone in [
+        "loadBalancers",
+        "publicIPAddresses",
+        "networkSecurityGroups",
+        "networkInterfaces",
+    ] {
+        let left = fake.resources_under(&Fake::path(&rg, &format!("Microsoft.Network/{gone}/")));
+        assert!(left.is_empty(), "{gone} left after destroy: {left:?}");
+    }
 }
 
 /// The shared module `examples/modules/fleet` on the fake ARM server: the
