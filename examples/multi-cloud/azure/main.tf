@@ -1,5 +1,8 @@
 # The fleet on azure: virtual machines from an image with lbscale-node in your
-# subnets, a Traffic Manager profile for the domain (docs/azure.md).
+# subnets, each with a public IP of its own and the group's network security
+# group, and a Traffic Manager profile of their public IPs for the domain
+# (docs/azure.md). The engine reaches the nodes at their private addresses:
+# run Terraform and the daemon where the subnets are reachable.
 # Credentials: ARM_* / AZURE_* variables, workload identity or a managed
 # identity.
 #
