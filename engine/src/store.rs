@@ -1054,6 +1054,24 @@ impl Store {
             .collect()
         })
     }
+    /// What changes whenever a group is added, removed or gets a new row
+    /// version: the groups' count, the sum of their versions and the newest
+    /// one's `created_at`. One row, whatever the number of groups: the daemon
+    /// reads it each tick and lists the versions ([`Store::group_versions`])
+    /// only when it changed.
+    pub fn groups_fingerprint(&self) -> Result<(i64, i64, i64)> {
+        self.with(|c| {
+            let r = c.one(
+                "SELECT count(*), CAST(coalesce(sum(version), 0) AS BIGINT), coalesce(max(created_at), 0)
+                 FROM groups",
+                &[],
+            )?;
+            match r {
+                Some(r) => Ok((r.int(0)?, r.int(1)?, r.int(2)?)),
+                None => Ok((0, 0, 0)),
+            }
+        })
+    }
     /// The group with its row version, read together.
     pub fn group_with_version(&self, id: &str) -> Result<Option<(Row<GroupSpec>, i64)>> {
         let row = self.with(|c| {
