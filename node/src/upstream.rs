@@ -1,51 +1,84 @@
-//! A service's idle HTTP/1.1 connections, kept alive between requests and
-//! shared by every client connection of the node (HAProxy's `http-reuse
-//! always`).
+//! A service's idle HTTP/1.1 connections (kept alive between requests), and the
+//! request body sent on them.
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
-use std::task::{Context, Waker};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
-use tokio::net::TcpStream;
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+
+use crate::metrics::Traffic;
 
 /// Idle connections kept per service; more are closed when their response ends.
 const MAX_IDLE_PER_SERVICE: usize = 512;
 
-/// Whether an idle connection is still usable: nothing to read on it (an
-/// idle service sends nothing; readable means it closed or misbehaved). Reads
-/// the readiness the runtime already has, no system call.
-fn still_idle(s: &TcpStream) -> bool {
-    let mut cx = Context::from_waker(Waker::noop());
-    s.poll_read_ready(&mut cx).is_pending()
+/// A client's request body forwarded to a service, counting bytes into the
+/// node's throughput as they pass.
+pub struct UpBody {
+    inner: Incoming,
+    traffic: Arc<Traffic>,
 }
 
-/// The idle connections to one service, the most recent last. A poisoned lock
-/// is treated as empty: the request then opens a new connection.
+impl UpBody {
+    pub fn new(inner: Incoming, traffic: Arc<Traffic>) -> Self {
+        UpBody { inner, traffic }
+    }
+}
+
+impl Body for UpBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(f))) = &r {
+            if let Some(d) = f.data_ref() {
+                self.traffic.add_bytes(d.len());
+            }
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// One upstream connection, ready for the next request.
+pub type Conn = SendRequest<UpBody>;
+
+/// The idle connections to one service. A poisoned lock is treated as empty:
+/// the request then opens a new connection.
 #[derive(Default)]
-pub struct IdlePool(Mutex<VecDeque<TcpStream>>);
+pub struct IdlePool(Mutex<Vec<Conn>>);
 
 impl IdlePool {
     /// The most recent idle connection that is still open.
-    pub fn pop(&self) -> Option<TcpStream> {
+    pub fn pop(&self) -> Option<Conn> {
         let mut pool = self.0.lock().ok()?;
-        while let Some(s) = pool.pop_back() {
-            if still_idle(&s) {
+        while let Some(s) = pool.pop() {
+            if !s.is_closed() {
                 return Some(s);
             }
         }
         None
     }
 
-    /// Keeps `conn` for the next request, unless the pool is full. The oldest
-    /// one goes if the service closed it meanwhile, so that closed ones do not
-    /// pile up.
-    pub fn push(&self, conn: TcpStream) {
+    /// Keeps `conn` for the next request, unless the pool is full.
+    pub fn push(&self, conn: Conn) {
         if let Ok(mut pool) = self.0.lock() {
-            if pool.front().is_some_and(|s| !still_idle(s)) {
-                pool.pop_front();
-            }
             if pool.len() < MAX_IDLE_PER_SERVICE {
-                pool.push_back(conn);
+                pool.push(conn);
             }
         }
     }

@@ -219,8 +219,11 @@ impl<T: ManagedObject> Resource for Managed<T> {
         let engine = engine(&self.engine, diags)?;
         let what = format!("create {}", T::KIND);
         let spec = spec_or_report(diags, T::spec_of(s))?;
-        let id = done(diags, &what, T::create(&engine, &spec).await)?;
+        let created = T::create(&engine, &spec).await;
+        super::memo::wrote();
+        let id = done(diags, &what, created)?;
         let brought_up = T::bring_up(&engine, &id).await;
+        super::memo::wrote();
         let state = self.observe(diags, &id).await?;
         if let Err(e) = brought_up {
             // The object exists: hand its state back with the error, so that
@@ -247,11 +250,9 @@ impl<T: ManagedObject> Resource for Managed<T> {
         let engine = engine(&self.engine, diags)?;
         let id = T::id(prior);
         let spec = spec_or_report(diags, T::spec_of(s))?;
-        done(
-            diags,
-            &format!("update {}", T::KIND),
-            T::update(&engine, &id, &spec).await,
-        )?;
+        let updated = T::update(&engine, &id, &spec).await;
+        super::memo::wrote();
+        done(diags, &format!("update {}", T::KIND), updated)?;
         Some((self.observe_after(diags, &id, s).await?, p))
     }
 
@@ -266,11 +267,9 @@ impl<T: ManagedObject> Resource for Managed<T> {
             return Some(());
         };
         let engine = engine(&self.engine, diags)?;
-        done(
-            diags,
-            &format!("destroy {}", T::KIND),
-            T::delete(&engine, &T::id(prior)).await,
-        )
+        let deleted = T::delete(&engine, &T::id(prior)).await;
+        super::memo::wrote();
+        done(diags, &format!("destroy {}", T::KIND), deleted)
     }
 
     async fn import<'a>(

@@ -5,6 +5,7 @@
 pub mod distributor;
 pub mod group;
 pub mod managed;
+pub mod memo;
 pub mod se_group;
 pub mod vserver;
 

@@ -2,6 +2,7 @@
 //! (backends) and slow start, placed on the nodes of an SE group's autoscale group.
 
 use super::managed::ManagedObject;
+use super::memo::Memo;
 use crate::common::*;
 use async_trait::async_trait;
 use lbscale_engine::model::{
@@ -144,14 +145,56 @@ fn state_of(id: String, spec: VserverSpec, vip: BTreeMap<String, String>) -> Sta
     s
 }
 
+/// [`Engine::check_vserver`]'s findings by what they depend on: the SE
+/// group (and through it the group and distributor), the service type and
+/// the persistence. The vservers of one SE group mostly share all three.
+static PLACEMENT: Memo<(String, String, String), Vec<Finding>> = Memo::new();
+
+/// Per SE group, the host of the vserver's VIP in each AZ (the AZ's VIP or
+/// the application's domain): the same for every vserver of the SE group.
+static VIP_HOSTS: Memo<String, BTreeMap<String, String>> = Memo::new();
+
 /// The engine's rules against the store, checked at plan time once the values they need are known.
 fn check_placement(engine: &EngineHandle, diags: &mut Diagnostics, s: &State) -> Option<()> {
     if s.se_group_id.is_unknown() || s.service_type.is_unknown() || s.persistence.is_unknown() {
         return Some(());
     }
     plan_check(engine, diags, "check vserver", |e| {
-        Vserver::spec_of(s).map_or_else(Ok, |spec| e.check_vserver(&spec))
+        let spec = match Vserver::spec_of(s) {
+            Ok(spec) => spec,
+            Err(findings) => return Ok(findings),
+        };
+        let key = (
+            spec.se_group_id.clone(),
+            spec.service_type.clone(),
+            spec.persistence.clone(),
+        );
+        PLACEMENT
+            .get_or(key, || e.check_vserver(&spec).map(|f| f.0))
+            .map(Findings)
     })
+}
+
+/// [`Engine::vserver_vips`], its store reads shared by the SE group's vservers.
+fn vips(engine: &Engine, spec: &VserverSpec) -> Result<BTreeMap<String, String>, EngineError> {
+    // The engine's map for port 0 gives the hosts: each VIP is `HOST:PORT`.
+    let hosts = VIP_HOSTS.get_or(spec.se_group_id.clone(), || {
+        let probe = VserverSpec {
+            port: 0,
+            ..spec.clone()
+        };
+        Ok::<_, EngineError>(
+            engine
+                .vserver_vips(&probe)?
+                .into_iter()
+                .filter_map(|(az, vip)| Some((az, vip.strip_suffix(":0")?.to_string())))
+                .collect(),
+        )
+    })?;
+    Ok(hosts
+        .into_iter()
+        .map(|(az, host)| (az, format!("{host}:{}", spec.port)))
+        .collect())
 }
 
 #[async_trait]
@@ -408,7 +451,7 @@ impl ManagedObject for Vserver {
         let Some(row) = engine.vserver(id)? else {
             return Ok(None);
         };
-        let vip = engine.vserver_vips(&row.spec)?;
+        let vip = vips(engine, &row.spec)?;
         Ok(Some(state_of(row.id, row.spec, vip)))
     }
 
