@@ -11,7 +11,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::bounds::{Backoff, Refusals};
-use crate::http::Watch;
+use crate::cancel::Watch;
 use crate::model::{Kind, Vserver};
 use crate::persist::Persistence;
 use crate::proxy_protocol::{proxy_header, read_proxy_header};

@@ -4,6 +4,7 @@
 mod api;
 mod api_tls;
 mod bounds;
+mod cancel;
 mod clock;
 mod dial;
 mod dns;

@@ -12,7 +12,7 @@ use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::http::Watch;
+use crate::cancel::Watch;
 use crate::metrics::Traffic;
 use crate::model::Vserver;
 use crate::service::ServiceRt;
