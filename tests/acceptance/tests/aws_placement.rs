@@ -822,3 +822,187 @@ module "shop" {{
         "instances left running after destroy"
     );
 }
+
+/// How many destroy-while-scaling rounds run on aws. Fewer than the local
+/// variant's ten (daemon_destroy_race.rs): a round here goes through moto's
+/// API for every step and boots a real node for each of up to four instances,
+/// about 10 s a round on a loaded 2-core machine and twice that under heavier
+/// load; five rounds still move the destroy across the scale-outs (the sleep
+/// before it differs each round) and keep the test well under 2 min.
+const AWS_RACE_ROUNDS: u64 = 5;
+
+/// A dns distributor and a group in one AZ whose memory threshold always
+/// breaches, so that a daemon on its store keeps scaling it out.
+fn racing_stack(group: &str, subnet: &str) -> String {
+    format!(
+        r#"
+resource "lbscale_traffic_distributor" "d" {{
+  name   = "{group}-d"
+  cloud  = "aws"
+  mode   = "dns"
+  domain = "{group}.lbscale.test"
+  ttl    = "1s"
+}}
+
+resource "lbscale_autoscale_group" "g" {{
+  name                   = "{group}"
+  cloud                  = "aws"
+  availability_zones     = ["us-east-1a"]
+  traffic_distributor_id = lbscale_traffic_distributor.d.id
+  min_nodes              = 1
+  max_nodes              = 4
+  apply_timeout          = "90s"
+  # Sampled often and no cooldown: the daemon starts the next scale-out
+  # right after the last one (each about 1 s on moto), so a destroy lands on
+  # one in flight or about to start, not in a quiet cooldown.
+  stats_interval         = "200ms"
+  watch_time             = "200ms"
+  cooldown               = "0"
+  drain_timeout          = "1s"
+  # Any node uses more than 0.01 % of its memory budget: always a breach.
+  threshold {{
+    metric = "memory"
+    min    = 0.001
+    max    = 0.01
+  }}
+  node {{
+    subnets = {{ "us-east-1a" = "{subnet}" }}
+  }}
+}}
+"#
+    )
+}
+
+/// The daemon's environment for the aws cloud: the same region, endpoint,
+/// CA, credentials and image as [`aws_block`] gives the provider.
+fn daemon_aws_env(moto: &Moto) -> Vec<(&'static str, String)> {
+    let (key, secret) = ("AKIDPLACEMENT", SECRET);
+    vec![
+        ("AWS_REGION", "us-east-1".into()),
+        ("AWS_ENDPOINT_URL", moto.endpoint.clone()),
+        ("AWS_CA_BUNDLE", moto.ca.display().to_string()),
+        ("AWS_ACCESS_KEY_ID", key.into()),
+        ("AWS_SECRET_ACCESS_KEY", secret.into()),
+        ("AWS_EC2_METADATA_DISABLED", "true".into()),
+        ("LBSCALE_AWS_IMAGE_ID", "ami-12c6146b".into()),
+    ]
+}
+
+/// The group's instances (by its `lbscale:group-id` tag) that moto does not
+/// show as terminated.
+fn live_instances(moto: &Moto, group: &str, group_id: &str) -> Vec<Instance> {
+    instances(moto, group)
+        .into_iter()
+        .filter(|i| i.tags.get("lbscale:group-id").map(String::as_str) == Some(group_id))
+        .filter(|i| i.state != "terminated")
+        .collect()
+}
+
+/// The aws variant of daemon_destroy_race.rs: `terraform destroy` while the
+/// daemon keeps scaling the group out on moto, a few times. Each destroy
+/// waits for the daemon's workflow in the AZ, and a scale-out that read the
+/// group before the destroy is refused its lease once the group is gone, so
+/// nothing of the group remains: no row (leases included), no instance that
+/// is not terminated, no node process of its stand-ins, and none comes back
+/// while the daemon keeps running. Timing decides where each destroy lands:
+/// the narrow window of a lease taken after the group is gone is held open
+/// deterministically by engine/tests/faults.rs (`scale_out_before_lease`).
+#[test]
+fn destroy_while_the_daemon_scales_out_on_aws_leaves_no_instance() {
+    let Some(moto) = moto("destroy_while_the_daemon_scales_out_on_aws_leaves_no_instance") else {
+        return;
+    };
+    let mut ws = Workspace::new("aws-destroy-race", 138);
+    ws.provider_blocks = aws_block(&moto);
+    let (_vpc, subnets) = loopback_vpc(&moto, 138, &["us-east-1a"]);
+    let env = daemon_aws_env(&moto);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    for round in 1..=AWS_RACE_ROUNDS {
+        let group = unique(&format!("race{round}"));
+        let stand_ins = StandIns::start(&moto, &group, &ws.dir);
+        ws.write(&racing_stack(&group, &subnets["us-east-1a"]));
+        let o = ws.tf(&["apply", "-auto-approve", "-no-color", "-input=false"]);
+        assert_eq!(
+            o.code,
+            0,
+            "round {round}: apply:\n{}\n{}",
+            o.all(),
+            node_log(&ws.dir)
+        );
+        let group_id = ws
+            .engine()
+            .group_named(&group)
+            .unwrap()
+            .expect("the group")
+            .id;
+        let daemon = Daemon::start_with(&ws, 19582, &format!("race{round}"), &env);
+        // Destroy once the daemon is scaling out (a second instance on its
+        // way), at a point that moves from round to round.
+        wait_showing(
+            "the daemon to start a scale-out on aws",
+            Duration::from_secs(90),
+            || {
+                let events = ws.engine().events(&group_id, 1000).unwrap();
+                let kinds: Vec<String> = events.iter().map(|e| e.kind.clone()).collect();
+                if kinds.iter().any(|k| k == "scale_out") {
+                    Ok(())
+                } else {
+                    Err(kinds)
+                }
+            },
+        );
+        std::thread::sleep(Duration::from_millis(150 * (round % 5)));
+        let o = ws.tf(&["destroy", "-auto-approve", "-no-color", "-input=false"]);
+        assert_eq!(
+            o.code,
+            0,
+            "round {round}: destroy:\n{}\n{}",
+            o.all(),
+            node_log(&ws.dir)
+        );
+        let store = ws.store();
+        assert_eq!(
+            store.rows_mentioning(&group_id).unwrap(),
+            0,
+            "round {round}: rows of the group are left (leases included)"
+        );
+        let live = live_instances(&moto, &group, &group_id);
+        assert!(
+            live.is_empty(),
+            "round {round}: instances of the group outlived its destroy: {live:#?}"
+        );
+        // The stand-ins stop a node once moto shows its instance terminated.
+        wait_showing(
+            "the stand-ins' nodes of the terminated instances to stop",
+            Duration::from_secs(15),
+            || {
+                let p = ws.processes();
+                if p.is_empty() {
+                    Ok(())
+                } else {
+                    Err(p)
+                }
+            },
+        );
+        ws.assert_nothing_left(&[]);
+        // The daemon keeps running a little: nothing of the group comes back.
+        std::thread::sleep(Duration::from_secs(2));
+        let live = live_instances(&moto, &group, &group_id);
+        assert!(
+            live.is_empty(),
+            "round {round}: an instance of the group came back: {live:#?}"
+        );
+        assert_eq!(
+            store.rows_mentioning(&group_id).unwrap(),
+            0,
+            "round {round}: rows of the group came back"
+        );
+        assert!(
+            ws.processes().is_empty(),
+            "round {round}: node processes came back: {:?}",
+            ws.processes()
+        );
+        daemon.stop();
+        drop(stand_ins);
+    }
+}
