@@ -221,6 +221,11 @@ impl AzRuntime {
                 Ok(node) => {
                     tracing::info!(group = %name, az = %az, node = %node, took_ms, "scale-in done: the node is gone")
                 }
+                // The group was destroyed while the workflow waited for its
+                // lease: nothing failed, and no event may outlive the group.
+                Err(lbscale_engine::EngineError::NotFound(what)) => {
+                    tracing::info!(group = %name, az = %az, %what, "workflow ended: the group is gone");
+                }
                 Err(e) => {
                     let what = match kind {
                         WorkflowKind::ScaleOut => "scale out",
