@@ -178,14 +178,17 @@ fn three_daemons_on_postgres_share_the_groups_and_take_over_a_killed_ones() {
     let killed_at = lbscale_engine::store::now_ms();
     a.crash();
     let after = wait_for(
-        "daemons b and c to claim and evaluate daemon a's groups",
+        "daemons b and c to claim and evaluate daemon a's groups, three each",
         Duration::from_secs(90),
         || {
             let (sb, sc) = (owned(&b), owned(&c));
             let taken = orphaned
                 .iter()
                 .all(|g| sb.get(g).or(sc.get(g)).is_some_and(|t| *t > killed_at));
-            (taken && sb.len() + sc.len() == GROUPS).then_some((sb, sc))
+            // Each at its share: one may claim past it for a moment (two
+            // claims in one tick) and lets the excess go between workflows.
+            let even = sb.len() == GROUPS / 2 && sc.len() == GROUPS / 2;
+            (taken && even).then_some((sb, sc))
         },
     );
     let (sb, sc) = &after;
