@@ -1102,10 +1102,6 @@ async fn a_configuration_read_under_a_lost_lease_never_lands_on_a_node() {
         .create_vserver(&vserver("flt-fence-a", 18970))
         .await
         .unwrap();
-    let ss = std::process::Command::new("ss")
-        .args(["-ltn"])
-        .output()
-        .unwrap();
     assert!(listens(18970), "the node does not serve the new vserver");
 
     // What the stale holder read before (no vservers) is refused and changes nothing.
