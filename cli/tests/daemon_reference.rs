@@ -332,7 +332,7 @@ fn every_metric_the_daemon_exposes_is_documented_with_its_type() {
         .collect();
     assert!(!exposed.is_empty(), "no # TYPE line in /metrics:\n{text}");
     // Every sample belongs to a family with a TYPE line (a summary's _sum and
-    // _count to their family).
+    // _count, a histogram's _bucket too, to their family).
     for l in text
         .lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
@@ -341,7 +341,15 @@ fn every_metric_the_daemon_exposes_is_documented_with_its_type() {
         let family = name
             .strip_suffix("_sum")
             .or_else(|| name.strip_suffix("_count"))
-            .filter(|f| exposed.iter().any(|(n, t)| n == f && t == "summary"))
+            .filter(|f| {
+                exposed
+                    .iter()
+                    .any(|(n, t)| n == f && (t == "summary" || t == "histogram"))
+            })
+            .or_else(|| {
+                name.strip_suffix("_bucket")
+                    .filter(|f| exposed.iter().any(|(n, t)| n == f && t == "histogram"))
+            })
             .unwrap_or(name);
         assert!(
             exposed.iter().any(|(n, _)| n == family),
