@@ -56,48 +56,34 @@ impl Engine {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match self
-                .push_configs_once(cloud, group, token, leaving, scalein_floor, deadline, lease)
-                .await
-            {
+            let pushed = async {
+                let config = self.fenced_node_config(&group.id, lease)?;
+                for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
+                    if !n.state.is_member() || leaving.contains(&n.id) {
+                        continue;
+                    }
+                    self.join(
+                        cloud,
+                        group,
+                        n,
+                        token,
+                        &config,
+                        leaving,
+                        scalein_floor,
+                        deadline,
+                        lease,
+                    )
+                    .await?;
+                }
+                Ok(())
+            };
+            match pushed.await {
                 Err(EngineError::Superseded(why)) if attempts < 5 => {
                     tracing::info!(group = %group.id, %why, "configuration superseded; reading it again");
                 }
                 other => return other,
             }
         }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn push_configs_once(
-        &self,
-        cloud: &dyn Cloud,
-        group: &Row<GroupSpec>,
-        token: &str,
-        leaving: &[String],
-        scalein_floor: Duration,
-        deadline: Instant,
-        lease: &KeptLease,
-    ) -> Result<()> {
-        let config = self.fenced_node_config(&group.id, lease)?;
-        for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
-            if !n.state.is_member() || leaving.contains(&n.id) {
-                continue;
-            }
-            self.join(
-                cloud,
-                group,
-                n,
-                token,
-                &config,
-                leaving,
-                scalein_floor,
-                deadline,
-                lease,
-            )
-            .await?;
-        }
-        Ok(())
     }
 
     /// The group's node configuration under a new fence, taken under `lease`
