@@ -168,6 +168,11 @@ fn strip_hop(h: &mut HeaderMap) {
     h.remove(header::UPGRADE);
 }
 
+/// Entries one request may try to connect to: the first choice, and the ones
+/// after a refused connection (a DOWN service not yet marked so, a ramp peer
+/// that has just gone).
+const CONNECT_TRIES: usize = 3;
+
 enum SendErr {
     /// Could not connect: the request is handed back for another service.
     Connect(Box<Request<UpBody>>),
@@ -349,8 +354,8 @@ fn client_response(
 }
 
 /// Proxies one request: the service its cookie keeps it on, else the LB
-/// method's (SOURCEIP included); one other service is tried when the first
-/// cannot be connected to.
+/// method's (SOURCEIP included); up to [`CONNECT_TRIES`] entries are tried when
+/// one cannot be connected to (see [`Vserver::pick_after_failure`]).
 async fn proxy(
     req: Request<Incoming>,
     vs: Arc<Vserver>,
@@ -367,7 +372,8 @@ async fn proxy(
         );
     };
     let (mut req, req_bytes) = upstream_request(req, &vs, xff);
-    let mut retried = false;
+    // Only on the failure path: no allocation per request.
+    let mut tried: Vec<usize> = Vec::new();
     loop {
         let rt = st.services[idx].rt.clone();
         rt.active.fetch_add(1, Ordering::Relaxed);
@@ -387,9 +393,9 @@ async fn proxy(
             }
             Err(SendErr::Connect(r)) => {
                 rt.active.fetch_sub(1, Ordering::Relaxed);
-                if !retried {
-                    retried = true;
-                    if let Some(j) = vs.pick_for(&st, client, Some(idx)) {
+                tried.push(idx);
+                if tried.len() < CONNECT_TRIES {
+                    if let Some(j) = vs.pick_after_failure(&st, client, &tried) {
                         idx = j;
                         req = *r;
                         continue;

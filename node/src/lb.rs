@@ -173,7 +173,7 @@ impl Balancer {
             return Some(idx);
         }
         self.overflow_pick(services, exclude)
-            .or_else(|| self.capped_fallback(services, exclude))
+            .or_else(|| self.own_fallback(services, exclude.as_slice()))
     }
 
     /// The next uncapped own service or ramp peer, by weight.
@@ -190,19 +190,17 @@ impl Balancer {
         None
     }
 
-    /// Only capped services are left: one with a token, else any (caps ignored).
-    fn capped_fallback<C: Candidate>(
-        &self,
-        services: &[C],
-        exclude: Option<usize>,
-    ) -> Option<usize> {
+    /// An own service (never a ramp peer) outside `skip`: one with a token, else
+    /// any (caps ignored). Where only capped services are left, and where the
+    /// choices in `skip` could not be connected to.
+    pub fn own_fallback<C: Candidate>(&self, services: &[C], skip: &[usize]) -> Option<usize> {
         let n = services.len();
         let rot = self.overflow.fetch_add(1, Ordering::Relaxed);
         let mut fallback = None;
         for k in 0..n {
             let j = (rot + k) % n;
             let e = &services[j];
-            if Some(j) == exclude || !e.usable() || e.is_peer() {
+            if skip.contains(&j) || !e.usable() || e.is_peer() {
                 continue;
             }
             if e.admits() {

@@ -144,6 +144,17 @@ impl VsState {
         Some(idx)
     }
 
+    /// An own service not in `tried` (see [`Balancer::own_fallback`]); counted in
+    /// its `requests_total`.
+    fn pick_own_untried(&self, tried: &[usize]) -> Option<usize> {
+        let idx = self.balancer.own_fallback(&self.services, tried)?;
+        self.services[idx]
+            .rt
+            .requests_total
+            .fetch_add(1, Ordering::Relaxed);
+        Some(idx)
+    }
+
     /// Chooses a service by the LB method (see `lb`), never `exclude`.
     /// Increments the chosen service's `requests_total`.
     #[inline]
@@ -268,6 +279,26 @@ impl Vserver {
             pick_for_source(st, &self.sources, client, exclude)
         } else {
             st.pick(exclude)
+        }
+    }
+
+    /// The entry to try after those in `tried` (in order) could not be connected
+    /// to: the LB method's choice without the last one, unless it was tried
+    /// already or is a ramp peer after a peer failed; else an own service not
+    /// tried yet, caps ignored. A ramp peer can be a node deleted a moment ago
+    /// (its health check marks it DOWN only after `fall` probes): while an own
+    /// service can take the request, such a peer must not fail it.
+    pub fn pick_after_failure(
+        &self,
+        st: &VsState,
+        client: IpAddr,
+        tried: &[usize],
+    ) -> Option<usize> {
+        let last = *tried.last()?;
+        let after_peer = st.services[last].peer;
+        match self.pick_for(st, client, Some(last)) {
+            Some(j) if !tried.contains(&j) && !(after_peer && st.services[j].peer) => Some(j),
+            _ => st.pick_own_untried(tried),
         }
     }
 }

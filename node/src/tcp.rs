@@ -81,6 +81,7 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
     };
     let attempts = st.services.len();
     let mut backend = None;
+    let mut tried: Vec<usize> = Vec::new();
     for _ in 0..attempts {
         let rt = &st.services[idx].rt;
         let start = Instant::now();
@@ -95,7 +96,8 @@ pub async fn serve_conn(client: TcpStream, source: IpAddr, vs: Arc<Vserver>) {
             }
             Err(e) => {
                 tracing::debug!(service = %rt.name, error = %e, "backend connect failed");
-                match vs.pick_for(&st, source, Some(idx)) {
+                tried.push(idx);
+                match vs.pick_after_failure(&st, source, &tried) {
                     Some(j) => idx = j,
                     None => break,
                 }

@@ -692,3 +692,70 @@ async fn a_joining_tcp_node_forwards_connections_to_its_peer() {
     let st = stats(&mut cl).await;
     assert!(!st.services.iter().any(|s| s.service.starts_with("peer:")));
 }
+
+/// A joining node whose ramp peers have gone (nodes deleted a moment before, as
+/// a rolling restart does, and not yet marked DOWN by their health checks) serves
+/// every request and connection with its own service, over its slow-start cap,
+/// instead of failing them: a refused peer is followed by an own service, never
+/// by another peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_ramp_peers_never_fail_a_request() {
+    let web = http_backend("127.88.8.21:8001", "N1").await;
+    let echo = tcp_backend("127.88.8.21:9001", "N").await;
+    // Nothing listens on these nodes' vserver ports: every connection is refused.
+    let peers = vec!["127.88.8.1".to_string(), "127.88.8.3".to_string()];
+    let ss = slow_start(1, SlowStartUnit::PerSecond, INTERVAL_S);
+    let (_node, _) = start_serve("ss-gone-peers", "127.88.8.2", &[]);
+    let mut cl = api_client("127.88.8.2").await;
+    let tcp = Vserver {
+        name: "tcp".into(),
+        service_type: ServiceType::Tcp as i32,
+        port: 9000,
+        ..vserver(vec![svc("N", &echo)], ss, peers.clone())
+    };
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        cl.configure(NodeConfig {
+            version: 1,
+            group_peers: Vec::new(),
+            fence: 0,
+            vservers: vec![vserver(vec![svc("N1", &web)], ss, peers), tcp],
+        }),
+    )
+    .await
+    .expect("Configure within 5 s")
+    .expect("Configure accepted");
+    let st = stats(&mut cl).await;
+    let peer = service(&st, "peer:127.88.8.1:8080");
+    assert!(peer.health == "UP", "the peers are not DOWN yet: {peer:?}");
+
+    // Well inside the three failed probes (3 s) that take a peer DOWN.
+    for i in 0..20 {
+        let r = http_get("127.88.8.2:8080", "/").await;
+        assert_eq!(
+            (r.status, String::from_utf8_lossy(&r.body).trim()),
+            (200, "N1"),
+            "request {i}"
+        );
+        let mut s = tokio::net::TcpStream::connect("127.88.8.2:9000")
+            .await
+            .expect("connect to the TCP vserver");
+        let mut greeting = [0u8; 2];
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut greeting),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("connection {i}: no greeting within 5 s"))
+        .unwrap_or_else(|e| panic!("connection {i}: closed without the service: {e}"));
+        assert_eq!(&greeting, b"N\n", "connection {i}");
+    }
+    let st = stats(&mut cl).await;
+    let refused: u64 = st
+        .services
+        .iter()
+        .filter(|s| s.service.starts_with("peer:"))
+        .map(|s| s.requests_total)
+        .sum();
+    assert!(refused > 0, "the peers were tried first: {:?}", st.services);
+}
