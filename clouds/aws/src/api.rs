@@ -12,12 +12,10 @@
 
 use super::credentials::SharedCredentials;
 use super::sigv4::{self, Credentials};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
+use lbscale_cloud_http::{self as http, Bytes, Url};
 use lbscale_engine::cloud::{CloudError, Result};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::net::TcpStream;
 
 /// How long one call (connection, request and the whole answer) may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -103,58 +101,32 @@ impl Endpoint {
     /// Parses `http://HOST[:PORT]` or `https://HOST[:PORT]` (a trailing `/` is
     /// fine; no path).
     pub fn parse(url: &str) -> std::result::Result<Endpoint, String> {
-        let bad = |why: &str| format!("endpoint {url:?}: {why}; expected http(s)://HOST[:PORT]");
-        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
-            (true, r)
-        } else if let Some(r) = url.strip_prefix("http://") {
-            (false, r)
-        } else {
-            return Err(bad("the scheme must be http or https"));
-        };
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        if rest.is_empty() || rest.contains('/') || rest.contains('@') {
-            return Err(bad("a host, and nothing after it but a port"));
+        let (endpoint, path) = Endpoint::parse_url(url)?;
+        if path != "/" {
+            return Err(format!(
+                "endpoint {url:?}: a host, and nothing after it but a port; expected http(s)://HOST[:PORT]"
+            ));
         }
-        let (host, port) = match rest.rsplit_once(':') {
-            Some((h, p)) if !h.is_empty() && !p.contains(']') => (
-                h.to_string(),
-                p.parse::<u16>()
-                    .map_err(|_| bad("the port must be 1-65535"))?,
-            ),
-            _ => (rest.to_string(), if tls { 443 } else { 80 }),
-        };
-        // An IPv6 literal is connected to without its brackets.
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .map(str::to_string)
-            .unwrap_or(host);
-        Ok(Endpoint { tls, host, port })
+        Ok(endpoint)
     }
 
     /// Parses `http(s)://HOST[:PORT][/PATH]`: the endpoint and the path (`/`
     /// when there is none), for the credential endpoints' URLs.
     pub fn parse_url(url: &str) -> std::result::Result<(Endpoint, String), String> {
-        let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
-        let (base, path) = match url[after_scheme..].find('/') {
-            Some(i) => url.split_at(after_scheme + i),
-            None => (url, "/"),
-        };
-        Ok((Endpoint::parse(base)?, path.to_string()))
+        let u = Url::parse(url).map_err(|e| format!("endpoint: {e}"))?;
+        Ok((
+            Endpoint {
+                tls: u.tls,
+                host: u.host,
+                port: u.port,
+            },
+            u.path,
+        ))
     }
 
     /// The `Host` header: the port only when it is not the scheme's default.
     fn host_header(&self) -> String {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
-        } else {
-            self.host.clone()
-        };
-        if self.port == if self.tls { 443 } else { 80 } {
-            host
-        } else {
-            format!("{host}:{}", self.port)
-        }
+        http::host_header(self.tls, &self.host, self.port)
     }
 }
 
@@ -413,16 +385,19 @@ impl AwsApi {
                 h
             }
         };
-        let mut req = hyper::Request::builder().method(method).uri(uri);
+        let mut req = http::request().method(method).uri(uri);
         for (k, v) in &signed {
             req = req.header(k.as_str(), v.as_str());
         }
         let req = req
             .header("content-length", content.len())
-            .body(Full::new(Bytes::copy_from_slice(content)))
+            .body(Bytes::copy_from_slice(content).into())
             .map_err(|e| transport(format!("building the request: {e}")))?;
-        let (status, bytes) = send(endpoint, &self.tls, req).await?;
-        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let answer = http::round_trip(&self.tls, endpoint.tls, &endpoint.host, endpoint.port, req)
+            .await
+            .map_err(transport)?;
+        let status = answer.status;
+        let text = String::from_utf8_lossy(&answer.body).into_owned();
         if (200..300).contains(&status) {
             return Ok(text);
         }
@@ -441,35 +416,6 @@ impl AwsApi {
     }
 }
 
-/// Sends `req` to `endpoint` (over TLS when it says so) on a new connection:
-/// the status and the body of the answer.
-async fn send(
-    endpoint: &Endpoint,
-    tls: &Arc<rustls::ClientConfig>,
-    req: hyper::Request<Full<Bytes>>,
-) -> std::result::Result<(u16, Bytes), ApiError> {
-    let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
-        .await
-        .map_err(|e| {
-            transport(format!(
-                "connecting to {}:{}: {e}",
-                endpoint.host, endpoint.port
-            ))
-        })?;
-    let _ = tcp.set_nodelay(true);
-    if endpoint.tls {
-        let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
-            .map_err(|e| transport(format!("{}: not a TLS server name: {e}", endpoint.host)))?;
-        let tls = tokio_rustls::TlsConnector::from(tls.clone())
-            .connect(name, tcp)
-            .await
-            .map_err(|e| transport(format!("TLS with {}: {e}", endpoint.host)))?;
-        exchange(tls, req).await
-    } else {
-        exchange(tcp, req).await
-    }
-}
-
 /// An unsigned request to `url` (`http(s)://HOST[:PORT]/PATH`) with
 /// `headers`, answered within `deadline`: the status and the body. For the
 /// instance metadata service and the container credential endpoint; the
@@ -481,54 +427,9 @@ pub async fn fetch(
     headers: &[(&str, &str)],
     deadline: Duration,
 ) -> std::result::Result<(u16, String), String> {
-    let (endpoint, path) = Endpoint::parse_url(url)?;
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", endpoint.host_header())
-        .header("content-length", 0);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| format!("{method} {url}: building the request: {e}"))?;
-    match tokio::time::timeout(deadline, send(&endpoint, tls, req)).await {
-        Err(_) => Err(format!(
-            "{method} {url}: no answer within {} ms",
-            deadline.as_millis()
-        )),
-        Ok(Err(e)) => Err(format!("{method} {url}: {}", e.message)),
-        Ok(Ok((status, body))) => Ok((status, String::from_utf8_lossy(&body).into_owned())),
-    }
-}
-
-async fn exchange<IO>(
-    io: IO,
-    req: hyper::Request<Full<Bytes>>,
-) -> std::result::Result<(u16, Bytes), ApiError>
-where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
-            .await
-            .map_err(|e| transport(format!("HTTP handshake: {e}")))?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| transport(format!("sending the request: {e}")))?;
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| transport(format!("reading the answer: {e}")))?
-        .to_bytes();
-    Ok((status, body))
+    let url = Url::parse(url)?;
+    let r = http::send(tls, method, &url, headers, None, deadline).await?;
+    Ok((r.status, String::from_utf8_lossy(&r.body).into_owned()))
 }
 
 fn transport(message: String) -> ApiError {

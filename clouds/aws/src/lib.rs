@@ -47,7 +47,6 @@ use serde::{Deserialize, Serialize};
 use sigv4::Credentials;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const EC2_VERSION: &str = "2016-11-15";
@@ -220,19 +219,7 @@ impl AwsCloud {
             .as_deref()
             .map(Endpoint::parse)
             .transpose()?;
-        let roots = match &settings.ca_bundle {
-            Some(path) => lbscale_engine::tlsroots::pem_roots(path)
-                .map_err(|e| format!("AWS CA bundle: {e}"))?,
-            None => lbscale_engine::tlsroots::system_roots()?,
-        };
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let tls = Arc::new(tls);
+        let tls = lbscale_cloud_http::client_tls(settings.ca_bundle.as_deref(), "AWS")?;
         let credentials = credentials::resolve(
             &credentials::Choice {
                 credentials: settings.credentials,

@@ -8,7 +8,7 @@
 //! and message.
 
 use crate::credentials::Credentials;
-use crate::http::{self, Url};
+use lbscale_cloud_http::{self as http, Url};
 use lbscale_engine::cloud::CloudError;
 use serde_json::Value;
 use std::sync::Arc;

@@ -19,7 +19,7 @@
 //! expire. The secret is never logged nor shown: `Debug` and
 //! [`Credentials::describe`] leave it out.
 
-use crate::http::{self, Url};
+use lbscale_cloud_http::{self as http, Url};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Mutex;

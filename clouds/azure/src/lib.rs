@@ -23,7 +23,6 @@ pub mod arm;
 pub mod credentials;
 #[cfg(feature = "testing")]
 pub mod fake_testing;
-pub mod http;
 mod load_balancer;
 mod public_ip;
 mod security_group;
@@ -32,6 +31,7 @@ mod vm;
 
 use arm::Arm;
 use credentials::{Choice, Credentials, EnvVars};
+use lbscale_cloud_http as http;
 use lbscale_engine::cloud::{
     Cloud, Distributor, DriverStore, GroupResources, ProvisionRequest, Provisioned, Publication,
     Result,
@@ -198,20 +198,7 @@ impl AzureCloud {
             .ok_or_else(|| missing("location", "LBSCALE_AZURE_LOCATION"))?;
         let base = http::Url::parse(settings.endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT))
             .map_err(|e| format!("the Azure endpoint: {e}"))?;
-        let roots = match &settings.ca_bundle {
-            Some(path) => lbscale_engine::tlsroots::pem_roots(path)
-                .map_err(|e| format!("Azure CA bundle: {e}"))?,
-            None => lbscale_engine::tlsroots::system_roots()?,
-        };
-        let tls = Arc::new(
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-        );
+        let tls = http::client_tls(settings.ca_bundle.as_deref(), "Azure")?;
         let (source, authority) = credentials::choose(&settings.credentials, &settings.env)?;
         let creds = Arc::new(Credentials::new(source, authority, tls.clone()));
         Ok(AzureCloud {

@@ -3,7 +3,7 @@
 //! from their envelope, and operations waited on until they are done.
 
 use crate::credentials::Tokens;
-use crate::http::{self, Url};
+use lbscale_cloud_http::{self as http, Url};
 use lbscale_engine::cloud::CloudError;
 use serde_json::Value;
 use std::sync::Arc;
@@ -139,7 +139,7 @@ impl GcpApi {
         } else {
             CALL_TIMEOUT
         };
-        let content = body.map(|b| b.to_string().into_bytes()).unwrap_or_default();
+        let content = body.map(|b| b.to_string().into_bytes());
         let mut delay = Duration::from_millis(250);
         let mut attempt = 1;
         let mut renewed = false;
@@ -149,13 +149,10 @@ impl GcpApi {
                 reason: "noCredentials".into(),
                 message,
             })?;
-            let mut headers = vec![("authorization", format!("Bearer {token}"))];
-            if body.is_some() {
-                headers.push(("content-type", "application/json".into()));
-            }
-            let r = match http::send(&self.tls, method, &url, &headers, content.clone(), deadline)
-                .await
-            {
+            let bearer = format!("Bearer {token}");
+            let headers = [("authorization", bearer.as_str())];
+            let content = content.clone().map(|c| ("application/json", c));
+            let r = match http::send(&self.tls, method, &url, &headers, content, deadline).await {
                 Err(message) => Err(GoogleError {
                     status: 0,
                     reason: "transport".into(),

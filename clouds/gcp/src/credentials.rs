@@ -15,8 +15,8 @@
 //! fetched again [`REFRESH_AHEAD`] before it expires, or when an API refuses
 //! it. Neither a key nor a token is ever put in an error or a log.
 
-use crate::http::{self, Url};
 use base64::Engine as _;
+use lbscale_cloud_http::{self as http, Url};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -239,16 +239,12 @@ impl Source {
                 );
                 let url =
                     Url::parse(&key.token_uri).map_err(|e| format!("the key's token_uri: {e}"))?;
-                let headers = [(
-                    "content-type",
-                    "application/x-www-form-urlencoded".to_string(),
-                )];
                 let a = http::send(
                     tls,
                     "POST",
                     &url,
-                    &headers,
-                    body.into_bytes(),
+                    &[],
+                    Some(("application/x-www-form-urlencoded", body.into_bytes())),
                     TOKEN_CALL_TIMEOUT,
                 )
                 .await
@@ -264,8 +260,8 @@ impl Source {
                 let url = Url::parse(&format!(
                     "http://{host}/computeMetadata/v1/instance/service-accounts/default/token"
                 ))?;
-                let headers = [("metadata-flavor", "Google".to_string())];
-                let a = http::send(tls, "GET", &url, &headers, vec![], TOKEN_CALL_TIMEOUT)
+                let headers = [("metadata-flavor", "Google")];
+                let a = http::send(tls, "GET", &url, &headers, None, TOKEN_CALL_TIMEOUT)
                     .await
                     .map_err(|e| format!("asking the metadata server {host} for a token (is this a Compute Engine instance? else set GOOGLE_APPLICATION_CREDENTIALS): {e}"))?;
                 (a, format!("the metadata server {host}"))

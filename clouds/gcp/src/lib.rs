@@ -27,7 +27,6 @@ mod dns;
 #[cfg(feature = "testing")]
 pub mod fake_testing;
 mod firewall;
-pub mod http;
 mod nlb;
 mod nodes;
 
@@ -129,21 +128,9 @@ impl GcpCloud {
             .or(key_project)
             .ok_or("no GCP project: set `project` in the provider's gcp block, or GOOGLE_CLOUD_PROJECT (or use a service-account key, whose project_id is taken)")?;
         if let Some(e) = &settings.endpoint {
-            http::Url::parse(e).map_err(|e| format!("the gcp endpoint: {e}"))?;
+            lbscale_cloud_http::Url::parse(e).map_err(|e| format!("the gcp endpoint: {e}"))?;
         }
-        let roots = match &settings.ca_bundle {
-            Some(path) => lbscale_engine::tlsroots::pem_roots(path)
-                .map_err(|e| format!("GCP CA bundle: {e}"))?,
-            None => lbscale_engine::tlsroots::system_roots()?,
-        };
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let tls = Arc::new(tls);
+        let tls = lbscale_cloud_http::client_tls(settings.ca_bundle.as_deref(), "GCP")?;
         let tokens = Arc::new(Tokens::new(source, tls.clone()));
         Ok(GcpCloud {
             api: GcpApi::new(project, settings.endpoint.as_deref(), tokens, tls),
