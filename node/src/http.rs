@@ -1,7 +1,23 @@
-//! L7 HTTP/1.1 reverse proxy: hyper server towards clients (keep-alive), pooled
-//! hyper client connections towards each service.
+//! L7 HTTP/1.1 reverse proxy: one task per client connection, which parses
+//! each request head once, forwards it (hop-by-hop headers removed,
+//! `X-Forwarded-For` appended) on an idle keep-alive connection to the chosen
+//! service, and relays the response back, bodies as they come. Nothing is
+//! allocated per request: the connection's buffers are reused, and the
+//! service's idle connections are shared by every client connection
+//! (`upstream`). Why it is built this way rather than on hyper: docs/performance.md.
+//!
+//! What keeps it safe in front of services that parse differently: a chunked
+//! body is written out again by the node (never forwarded as it came, its
+//! trailers left out, a malformed one refused); a request with both
+//! `Transfer-Encoding` and `Content-Length` is refused; only a bodiless GET,
+//! HEAD or OPTIONS is ever sent twice; a request body that stops coming is
+//! answered 408; a service's answer before the whole body was sent is relayed
+//! (and both connections closed after it).
 
-use std::convert::Infallible;
+mod h1;
+
+use std::future::{poll_fn, Future};
+use std::io::ErrorKind;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -9,39 +25,133 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
-use hyper::{Request, Response, StatusCode, Version};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::cancel::Watch;
 use crate::model::{VsState, Vserver};
-use crate::persist::{find_cookie, Persistence};
+use crate::persist::Persistence;
 use crate::service::ServiceRt;
-use crate::upstream::{Conn, UpBody};
+use h1::{Chunked, Emit, Framing, HeadErr};
 
-/// Tracks one proxied request until its response body is finished: in-flight
-/// count, response time, and returns the upstream connection to the pool.
-pub struct RespGuard {
-    rt: Arc<ServiceRt>,
-    sender: Option<Conn>,
-    /// The vserver the request came through (its node's throughput).
-    vs: Arc<Vserver>,
-    start: Instant,
-    done: bool,
-    /// Bytes of this exchange (request head estimate + response), for the
-    /// LEASTBANDWIDTH/LEASTPACKETS estimators.
-    req_bytes: u64,
-    resp_bytes: u64,
+/// How long a client may take to send a request head, idle keep-alive time
+/// included (hyper's `header_read_timeout`, which the node used before).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Read buffers grow by this much; a response head may take up to
+/// [`MAX_RESPONSE_HEAD`].
+const CHUNK: usize = 16 * 1024;
+const MAX_RESPONSE_HEAD: usize = 128 * 1024;
+/// After a refused head (400, 431): how long, and how much, of the rest is
+/// read and thrown away before closing, so that the client reads the answer
+/// instead of a reset.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 1 << 20;
+/// Entries one request may try to connect to: the first choice, and the ones
+/// after a refused connection (a DOWN service not yet marked so, a ramp peer
+/// that has just gone).
+const CONNECT_TRIES: usize = 3;
+
+/// How far past its deadline a timer of `timeout` may fire (see [`Deadline`]).
+fn slack(timeout: Duration) -> Duration {
+    (timeout / 16).clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
-impl Drop for RespGuard {
+/// A timeout kept for the whole connection and moved only when the deadline
+/// leaves its window: it fires between the deadline and `slack` after it,
+/// and re-arming it is rare (a timer wheel update per request otherwise).
+struct Deadline {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    armed: Option<Instant>,
+}
+
+impl Deadline {
+    fn new() -> Self {
+        Deadline {
+            sleep: Box::pin(tokio::time::sleep(Duration::from_secs(86_400 * 365))),
+            armed: None,
+        }
+    }
+
+    fn set(&mut self, at: Instant, slack: Duration) {
+        if let Some(a) = self.armed {
+            if a >= at && a <= at + slack {
+                return;
+            }
+        }
+        let t = at + slack / 2;
+        self.sleep.as_mut().reset(tokio::time::Instant::from_std(t));
+        self.armed = Some(t);
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.sleep.as_mut().poll(cx)
+    }
+}
+
+/// Why a request's exchange with a service failed.
+enum Fail {
+    /// Could not connect: another service may be tried.
+    Connect,
+    /// No response head within the response-header timeout, or the service
+    /// took no more of the request body for as long: 504.
+    Timeout,
+    /// The client sent no more of its request body for the response-header
+    /// timeout: 408, and the connection closes.
+    ClientTimeout,
+    /// The client's chunked body is malformed: 400, and the connection closes.
+    BadRequest,
+    /// Anything else before the response head: 502.
+    Bad,
+    /// The node is killed, or a side went away mid-message: close.
+    Abort,
+}
+
+/// A client's request once its head is read (the head for the service is in
+/// the connection's `out`).
+struct Req {
+    head_len: usize,
+    body: Framing,
+    keep_alive: bool,
+    http10: bool,
+    is_head: bool,
+    expect_continue: bool,
+    /// May be sent again on a new connection (see [`h1::Request::replayable`]).
+    replayable: bool,
+    /// COOKIE persistence: the service the cookie keeps it on, if it may.
+    sticky: Option<usize>,
+}
+
+/// What is left of a request's body to relay.
+struct BodyLeft {
+    /// Bytes, for a `Content-Length` body.
+    left: u64,
+    /// Where a chunked body is.
+    chunks: Chunked,
+}
+
+/// One in-flight request on a service: its in-flight count, and its response
+/// time and traffic recorded when it ends (however it ends).
+struct InFlight<'a> {
+    rt: &'a ServiceRt,
+    start: Instant,
+    req_bytes: u64,
+    resp_bytes: u64,
+    /// Set when the service's response head came: only then is it a
+    /// response to record.
+    answered: bool,
+    /// Set when the response was relayed to its end.
+    end: Option<Instant>,
+}
+
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.rt.active.fetch_sub(1, Ordering::Relaxed);
+        if !self.answered {
+            return;
+        }
+        let end = self.end.unwrap_or_else(Instant::now);
         self.rt
-            .record_response(self.start.elapsed().as_micros() as u64);
+            .record_response(end.saturating_duration_since(self.start).as_micros() as u64);
         if self.rt.track_traffic.load(Ordering::Relaxed) {
             let pk = |b: u64| 1 + b / 1460;
             self.rt.record_traffic(
@@ -49,370 +159,35 @@ impl Drop for RespGuard {
                 pk(self.req_bytes) + pk(self.resp_bytes),
             );
         }
-        if self.done {
-            if let Some(s) = self.sender.take() {
-                // Not back to the pool of a service that went DOWN meanwhile (its
-                // pool was emptied then): it must be reached afresh when UP again.
-                if !s.is_closed() && !self.rt.is_draining() && self.rt.is_up() {
-                    self.rt.pool.push(s);
-                }
-            }
-        }
     }
 }
 
-pub enum RespBody {
-    Full(Option<Bytes>),
-    Proxied { body: Incoming, guard: RespGuard },
-}
-
-impl Body for RespBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.get_mut() {
-            RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            RespBody::Proxied { body, guard } => {
-                let r = Pin::new(body).poll_frame(cx);
-                match &r {
-                    Poll::Ready(Some(Ok(f))) => {
-                        if let Some(d) = f.data_ref() {
-                            guard.vs.traffic.add_bytes(d.len());
-                            guard.resp_bytes += d.len() as u64;
-                        }
-                    }
-                    Poll::Ready(None) => guard.done = true,
-                    _ => {}
-                }
-                r
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            RespBody::Full(b) => b.is_none(),
-            RespBody::Proxied { body, .. } => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            RespBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            RespBody::Full(None) => SizeHint::with_exact(0),
-            RespBody::Proxied { body, .. } => body.size_hint(),
-        }
-    }
-}
-
-impl Drop for RespBody {
-    fn drop(&mut self) {
-        if let RespBody::Proxied { body, guard } = self {
-            if body.is_end_stream() {
-                guard.done = true;
-            }
-        }
-    }
-}
-
-static X_LBSCALE_NODE: HeaderName = HeaderName::from_static("x-lbscale-node");
-static X_LBSCALE_SERVICE: HeaderName = HeaderName::from_static("x-lbscale-service");
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-
-fn simple(vs: &Vserver, status: StatusCode, msg: &'static str) -> Response<RespBody> {
-    let mut r = Response::new(RespBody::Full(Some(Bytes::from_static(msg.as_bytes()))));
-    *r.status_mut() = status;
-    let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-    h.insert(X_LBSCALE_NODE.clone(), vs.node_hv.clone());
-    r
-}
-
-/// Approximate wire size of a header block (name: value\r\n each).
-#[inline]
-fn head_len(h: &HeaderMap) -> usize {
-    h.iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum::<usize>()
-        + 2
-}
-
-/// Removes hop-by-hop headers (RFC 9110 §7.6.1), including those named by Connection.
-fn strip_hop(h: &mut HeaderMap) {
-    if let Some(c) = h.get(header::CONNECTION) {
-        if let Ok(s) = c.to_str() {
-            let named: Vec<String> = s
-                .split(',')
-                .map(|t| t.trim().to_ascii_lowercase())
-                .filter(|t| !t.is_empty())
-                .collect();
-            for n in named {
-                if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
-                    h.remove(n);
-                }
-            }
-        }
-        h.remove(header::CONNECTION);
-    }
-    h.remove(&KEEP_ALIVE);
-    h.remove(&PROXY_CONNECTION);
-    h.remove(header::TE);
-    h.remove(header::TRAILER);
-    h.remove(header::TRANSFER_ENCODING);
-    h.remove(header::UPGRADE);
-}
-
-/// Entries one request may try to connect to: the first choice, and the ones
-/// after a refused connection (a DOWN service not yet marked so, a ramp peer
-/// that has just gone).
-const CONNECT_TRIES: usize = 3;
-
-enum SendErr {
-    /// Could not connect: the request is handed back for another service.
-    Connect(Box<Request<UpBody>>),
-    /// No response headers within the response-header timeout.
-    Timeout,
-    Other,
-}
-
-/// Sends `req` on `s` and waits for the response's headers, at most the
-/// vserver's response-header timeout. `Err(Some(req))`: the connection went
-/// away before sending (try another).
-async fn exchange(
-    rt: &ServiceRt,
-    vs: &Vserver,
-    s: &mut Conn,
-    req: Request<UpBody>,
-) -> Result<Response<Incoming>, Result<Request<UpBody>, SendErr>> {
-    let timeout = vs.limits.response_header_timeout;
-    match tokio::time::timeout(timeout, s.try_send_request(req)).await {
-        Ok(Ok(resp)) => Ok(resp),
-        Ok(Err(mut e)) => match e.take_message() {
-            Some(r) => Err(Ok(r)),
-            None => {
-                tracing::debug!(service = %rt.name, error = %e.error(), "upstream request failed");
-                Err(Err(SendErr::Other))
-            }
-        },
-        Err(_) => {
-            tracing::warn!(service = %rt.name, timeout_ms = timeout.as_millis() as u64, "no response headers in time");
-            Err(Err(SendErr::Timeout))
-        }
-    }
-}
-
-async fn send(
-    rt: &ServiceRt,
-    vs: &Vserver,
-    mut req: Request<UpBody>,
-) -> Result<(Response<Incoming>, Conn), SendErr> {
-    while let Some(mut s) = rt.pool.pop() {
-        if !s.is_ready() {
-            match tokio::time::timeout(Duration::from_secs(1), s.ready()).await {
-                Ok(Ok(())) => {}
-                _ => continue,
-            }
-        }
-        match exchange(rt, vs, &mut s, req).await {
-            Ok(resp) => return Ok((resp, s)),
-            Err(Ok(r)) => req = r, // connection went away before sending: next one
-            Err(Err(e)) => return Err(e),
-        }
-    }
-    let stream = match rt
-        .connect_within(&vs.dialer, vs.limits.connect_timeout)
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::debug!(service = %rt.name, error = %e, "upstream connect failed");
-            return Err(SendErr::Connect(Box::new(req)));
-        }
-    };
-    let (mut s, conn) = match hyper::client::conn::http1::Builder::new()
-        .writev(false)
-        .handshake(TokioIo::new(stream))
-        .await
-    {
-        Ok(x) => x,
-        Err(_) => return Err(SendErr::Connect(Box::new(req))),
-    };
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    match exchange(rt, vs, &mut s, req).await {
-        Ok(resp) => Ok((resp, s)),
-        Err(Ok(_)) => Err(SendErr::Other),
-        Err(Err(e)) => Err(e),
-    }
-}
-
-/// The vserver's configuration snapshot as one client connection sees it: read
-/// again only when the vserver's generation moved.
-struct CachedState {
-    generation: u64,
-    state: Arc<VsState>,
-}
-
-/// COOKIE: the service the request's cookie keeps it on, when it may take it.
-fn cookie_service(st: &VsState, req: &Request<Incoming>) -> Option<usize> {
-    match st.persistence {
-        Persistence::Cookie => find_cookie(req.headers(), &st.cookie_name)
-            .and_then(|t| st.service_of_token(t))
-            .and_then(|i| st.pick_persistent(i)),
-        _ => None,
-    }
-}
-
-/// Names the client in `X-Forwarded-For`: appended to the list the client
-/// sent (its fields joined into one, as proxies do), else the only entry.
-#[inline]
-fn forwarded_for(h: &mut HeaderMap, client: HeaderValue) {
-    let mut prior = h.get_all(&X_FORWARDED_FOR).iter();
-    let Some(first) = prior.next() else {
-        h.insert(X_FORWARDED_FOR.clone(), client);
-        return;
-    };
-    let mut list = first.as_bytes().to_vec();
-    for more in prior {
-        list.extend_from_slice(b", ");
-        list.extend_from_slice(more.as_bytes());
-    }
-    list.extend_from_slice(b", ");
-    list.extend_from_slice(client.as_bytes());
-    let v = HeaderValue::from_bytes(&list).unwrap_or(client);
-    h.insert(X_FORWARDED_FOR.clone(), v);
-}
-
-/// The client's request as it goes to a service: hop-by-hop headers removed,
-/// `X-Forwarded-For` ending with the client, origin form, HTTP/1.1. Returns it with
-/// its size (head estimate and announced body), which the node's throughput
-/// counts for the head now (the body as it passes).
-fn upstream_request(
-    req: Request<Incoming>,
-    vs: &Vserver,
-    xff: HeaderValue,
-) -> (Request<UpBody>, u64) {
-    let (mut parts, body) = req.into_parts();
-    let req_head = head_len(&parts.headers) + parts.uri.path().len() + 16;
-    vs.traffic.add_bytes(req_head);
-    let req_bytes = req_head as u64
-        + parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
-    strip_hop(&mut parts.headers);
-    forwarded_for(&mut parts.headers, xff);
-    if parts.uri.authority().is_some() {
-        if let Some(pq) = parts.uri.path_and_query() {
-            if let Ok(u) = pq.as_str().parse() {
-                parts.uri = u;
-            }
-        }
-    }
-    parts.version = Version::HTTP_11;
-    let req = Request::from_parts(parts, UpBody::new(body, vs.traffic.clone()));
-    (req, req_bytes)
-}
-
-/// The service's response as it goes to the client: hop-by-hop headers
-/// removed, the node and service named, a persistence cookie when the request
-/// was balanced anew; `guard` (its `resp_bytes` still 0) tracks it until its
-/// body ends.
-fn client_response(
-    resp: Response<Incoming>,
-    st: &VsState,
-    idx: usize,
-    new_cookie: bool,
-    mut guard: RespGuard,
-) -> Response<RespBody> {
-    let (mut parts, body) = resp.into_parts();
-    let resp_head = head_len(&parts.headers) + 17;
-    guard.vs.traffic.add_bytes(resp_head);
-    guard.resp_bytes = resp_head as u64;
-    strip_hop(&mut parts.headers);
-    parts
-        .headers
-        .insert(X_LBSCALE_NODE.clone(), guard.vs.node_hv.clone());
-    parts
-        .headers
-        .insert(X_LBSCALE_SERVICE.clone(), guard.rt.name_hv.clone());
-    if new_cookie && st.persistence == Persistence::Cookie {
-        if let Some(c) = st.set_cookie(idx) {
-            parts.headers.append(header::SET_COOKIE, c.clone());
-        }
-    }
-    Response::from_parts(parts, RespBody::Proxied { body, guard })
-}
-
-/// Proxies one request: the service its cookie keeps it on, else the LB
-/// method's (SOURCEIP included); up to [`CONNECT_TRIES`] entries are tried when
-/// one cannot be connected to (see [`Vserver::pick_after_failure`]).
-async fn proxy(
-    req: Request<Incoming>,
-    vs: Arc<Vserver>,
+/// The state of one client connection.
+struct Conn<'v> {
+    vs: &'v Vserver,
+    client: TcpStream,
+    peer: IpAddr,
+    /// The client's address as `X-Forwarded-For` names it.
+    xff: Vec<u8>,
+    /// Bytes read from the client; `ipos..` not consumed yet.
+    inb: Vec<u8>,
+    ipos: usize,
+    /// The head (and first body bytes) being written, either way.
+    out: Vec<u8>,
+    /// Bytes read from the service.
+    upb: Vec<u8>,
+    kill: Watch,
+    closing: Watch,
+    head_timer: Deadline,
+    /// The request body's idle timeout while it is sent, then the response
+    /// head's timeout.
+    resp_timer: Deadline,
+    /// The current request's body is not all read from the client yet (the
+    /// connection cannot take another request after the response then).
+    body_pending: bool,
+    /// The vserver's configuration snapshot, read again when its generation moves.
     st: Arc<VsState>,
-    xff: HeaderValue,
-    client: IpAddr,
-) -> Response<RespBody> {
-    let sticky = cookie_service(&st, &req);
-    let Some(mut idx) = sticky.or_else(|| vs.pick_for(&st, client, None)) else {
-        return simple(
-            &vs,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no service available\n",
-        );
-    };
-    let (mut req, req_bytes) = upstream_request(req, &vs, xff);
-    // Only on the failure path: no allocation per request.
-    let mut tried: Vec<usize> = Vec::new();
-    loop {
-        let rt = st.services[idx].rt.clone();
-        rt.active.fetch_add(1, Ordering::Relaxed);
-        let start = Instant::now();
-        match send(&rt, &vs, req).await {
-            Ok((resp, sender)) => {
-                let guard = RespGuard {
-                    rt,
-                    sender: Some(sender),
-                    vs,
-                    start,
-                    done: false,
-                    req_bytes,
-                    resp_bytes: 0,
-                };
-                return client_response(resp, &st, idx, sticky != Some(idx), guard);
-            }
-            Err(SendErr::Connect(r)) => {
-                rt.active.fetch_sub(1, Ordering::Relaxed);
-                tried.push(idx);
-                if tried.len() < CONNECT_TRIES {
-                    if let Some(j) = vs.pick_after_failure(&st, client, &tried) {
-                        idx = j;
-                        req = *r;
-                        continue;
-                    }
-                }
-                return simple(&vs, StatusCode::BAD_GATEWAY, "bad gateway\n");
-            }
-            Err(SendErr::Other) => {
-                rt.active.fetch_sub(1, Ordering::Relaxed);
-                return simple(&vs, StatusCode::BAD_GATEWAY, "bad gateway\n");
-            }
-            Err(SendErr::Timeout) => {
-                rt.active.fetch_sub(1, Ordering::Relaxed);
-                return simple(&vs, StatusCode::GATEWAY_TIMEOUT, "gateway timeout\n");
-            }
-        }
-    }
+    generation: u64,
 }
 
 /// Serves one client connection until it closes, the vserver closes (graceful:
@@ -424,45 +199,717 @@ async fn proxy(
 pub async fn serve_conn(stream: TcpStream, client: IpAddr, vs: Arc<Vserver>) {
     let _g = vs.traffic.connection();
     let _ = stream.set_nodelay(true);
-    let xff =
-        HeaderValue::from_str(&client.to_string()).unwrap_or(HeaderValue::from_static("unknown"));
-    let vs2 = vs.clone();
-    let cache = std::sync::Mutex::new(CachedState {
+    let mut c = Conn {
+        vs: &vs,
+        client: stream,
+        peer: client,
+        xff: client.to_string().into_bytes(),
+        inb: Vec::with_capacity(CHUNK),
+        ipos: 0,
+        out: Vec::with_capacity(1024),
+        upb: Vec::new(),
+        kill: Watch::new(&vs.kill),
+        closing: Watch::new(&vs.closing),
+        head_timer: Deadline::new(),
+        resp_timer: Deadline::new(),
+        body_pending: false,
         generation: vs.generation(),
-        state: vs.state(),
-    });
-    let svc = hyper::service::service_fn(move |req| {
-        let vs = vs2.clone();
-        let st = {
-            // Uncontended: only this connection's task takes it.
-            let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
-            let g = vs.generation();
-            if g != c.generation {
-                c.state = vs.state();
-                c.generation = g;
+        st: vs.state(),
+    };
+    c.run().await;
+}
+
+impl Conn<'_> {
+    async fn run(&mut self) {
+        let mut idle_since = Instant::now();
+        loop {
+            let req = match self.read_request(idle_since).await {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => {
+                    let (status, msg) = match e {
+                        HeadErr::TooMany => (431, "request header fields too large\n"),
+                        HeadErr::Invalid => (400, "bad request\n"),
+                    };
+                    self.refuse(status, msg).await;
+                    return;
+                }
+            };
+            match self.proxy(req).await {
+                Some(end) => idle_since = end,
+                None => {
+                    // What the client still sends of a body is read a while,
+                    // so that it reads the answer rather than a reset.
+                    if self.body_pending && !self.vs.kill.is_cancelled() {
+                        self.linger().await;
+                    }
+                    return;
+                }
             }
-            c.state.clone()
-        };
-        let xff = xff.clone();
-        async move { Ok::<_, Infallible>(proxy(req, vs, st, xff, client).await) }
-    });
-    let mut b = hyper::server::conn::http1::Builder::new();
-    b.timer(TokioTimer::new())
-        .writev(false)
-        .keep_alive(true)
-        .header_read_timeout(Duration::from_secs(30))
-        // A longer head is answered 431 (Request Header Fields Too Large).
-        .max_buf_size(vs.limits.max_request_header_bytes);
-    let conn = b.serve_connection(TokioIo::new(stream), svc);
-    tokio::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => return,
-        _ = vs.closing.cancelled() => {}
-        _ = vs.kill.cancelled() => return,
+        }
     }
-    conn.as_mut().graceful_shutdown();
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        _ = vs.kill.cancelled() => {}
+
+    /// The next request head. `Ok(None)`: the connection is to close (the
+    /// client closed it, was idle too long, or the vserver closes).
+    async fn read_request(&mut self, idle_since: Instant) -> Result<Option<Req>, HeadErr> {
+        let max = self.vs.limits.max_request_header_bytes;
+        self.head_timer
+            .set(idle_since + HEADER_READ_TIMEOUT, Duration::from_secs(1));
+        loop {
+            if self.ipos < self.inb.len() {
+                self.refresh();
+                let st = &self.st;
+                let cookie =
+                    (st.persistence == Persistence::Cookie).then_some(st.cookie_name.as_str());
+                let buf = &self.inb[self.ipos..];
+                match h1::request(buf, &self.xff, cookie, &mut self.out)? {
+                    Some(r) => {
+                        if r.head_len > max {
+                            return Err(HeadErr::TooMany);
+                        }
+                        let sticky = r
+                            .cookie
+                            .and_then(|t| st.service_of_token(t))
+                            .and_then(|i| st.pick_persistent(i));
+                        let req = Req {
+                            head_len: r.head_len,
+                            body: r.body,
+                            keep_alive: r.keep_alive,
+                            http10: r.http10,
+                            is_head: r.is_head,
+                            expect_continue: r.expect_continue,
+                            replayable: r.replayable,
+                            sticky,
+                        };
+                        self.ipos += req.head_len;
+                        return Ok(Some(req));
+                    }
+                    None if buf.len() > max => return Err(HeadErr::TooMany),
+                    None => {}
+                }
+            }
+            self.make_room();
+            let idle = self.ipos == self.inb.len();
+            let Conn {
+                client,
+                inb,
+                kill,
+                closing,
+                head_timer,
+                ..
+            } = self;
+            tokio::select! {
+                biased;
+                r = client.read_buf(inb) => match r {
+                    Ok(0) | Err(_) => return Ok(None),
+                    Ok(_) => {}
+                },
+                _ = poll_fn(|cx| kill.poll(cx)) => return Ok(None),
+                // Graceful close: an idle keep-alive connection closes now.
+                _ = poll_fn(|cx| closing.poll(cx)), if idle => return Ok(None),
+                _ = poll_fn(|cx| head_timer.poll(cx)) => return Ok(None),
+            }
+        }
+    }
+
+    /// Room to read more into `inb`: consumed bytes dropped, spare capacity.
+    fn make_room(&mut self) {
+        if self.ipos == self.inb.len() {
+            self.inb.clear();
+            self.ipos = 0;
+        } else if self.ipos > 0 && self.inb.capacity() - self.inb.len() < CHUNK / 2 {
+            self.inb.drain(..self.ipos);
+            self.ipos = 0;
+        }
+        if self.inb.capacity() - self.inb.len() < CHUNK / 2 {
+            self.inb.reserve(CHUNK);
+        }
+    }
+
+    /// The vserver's current configuration snapshot.
+    #[inline]
+    fn refresh(&mut self) {
+        let g = self.vs.generation();
+        if g != self.generation {
+            self.st = self.vs.state();
+            self.generation = g;
+        }
+    }
+
+    /// Proxies one request: the service its cookie keeps it on, else the LB
+    /// method's (SOURCEIP included); up to [`CONNECT_TRIES`] entries are tried
+    /// when one cannot be connected to (see [`Vserver::pick_after_failure`]).
+    /// Returns when the response ended, or `None` when the connection is to
+    /// close.
+    async fn proxy(&mut self, req: Req) -> Option<Instant> {
+        let st = self.st.clone();
+        let vs = self.vs;
+        self.body_pending = req.body != Framing::None;
+        let Some(mut idx) = req.sticky.or_else(|| vs.pick_for(&st, self.peer, None)) else {
+            return self
+                .answer(&req, 503, "Service Unavailable", "no service available\n")
+                .await;
+        };
+        vs.traffic.add_bytes(req.head_len);
+        let req_bytes = req.head_len as u64
+            + match req.body {
+                Framing::Length(n) => n,
+                _ => 0,
+            };
+        // The body bytes already read go with the head, in one write.
+        let mut body = BodyLeft {
+            left: match req.body {
+                Framing::Length(n) => n,
+                _ => 0,
+            },
+            chunks: Chunked::default(),
+        };
+        let avail = &self.inb[self.ipos..];
+        let first = match req.body {
+            Framing::Length(_) => {
+                let n = (body.left.min(avail.len() as u64)) as usize;
+                self.out.extend_from_slice(&avail[..n]);
+                n
+            }
+            Framing::Chunked => match body.chunks.feed(avail, Emit::Chunks(&mut self.out)) {
+                Ok(n) => n,
+                Err(()) => return self.answer(&req, 400, "Bad Request", "bad request\n").await,
+            },
+            _ => 0,
+        };
+        self.ipos += first;
+        vs.traffic.add_bytes(first);
+        self.body_pending = match req.body {
+            Framing::Length(_) => {
+                body.left -= first as u64;
+                body.left > 0
+            }
+            Framing::Chunked => !body.chunks.done(),
+            _ => false,
+        };
+        // Only on the failure path: no allocation per request.
+        let mut tried: Vec<usize> = Vec::new();
+        loop {
+            let rt = &*st.services[idx].rt;
+            rt.active.fetch_add(1, Ordering::Relaxed);
+            let mut flight = InFlight {
+                rt,
+                start: Instant::now(),
+                req_bytes,
+                resp_bytes: 0,
+                answered: false,
+                end: None,
+            };
+            let r = self.exchange(&req, &mut flight, &mut body, &st, idx).await;
+            let end = flight.end;
+            drop(flight);
+            match r {
+                Ok(keep) => return keep.then(|| end.unwrap_or_else(Instant::now)),
+                Err(Fail::Connect) => {
+                    tried.push(idx);
+                    if tried.len() < CONNECT_TRIES {
+                        if let Some(j) = vs.pick_after_failure(&st, self.peer, &tried) {
+                            idx = j;
+                            continue;
+                        }
+                    }
+                    return self.answer(&req, 502, "Bad Gateway", "bad gateway\n").await;
+                }
+                Err(Fail::ClientTimeout) => {
+                    return self
+                        .answer(&req, 408, "Request Timeout", "request timeout\n")
+                        .await
+                }
+                Err(Fail::BadRequest) => {
+                    return self.answer(&req, 400, "Bad Request", "bad request\n").await
+                }
+                Err(Fail::Bad) => {
+                    return self.answer(&req, 502, "Bad Gateway", "bad gateway\n").await
+                }
+                Err(Fail::Timeout) => {
+                    return self
+                        .answer(&req, 504, "Gateway Timeout", "gateway timeout\n")
+                        .await
+                }
+                Err(Fail::Abort) => return None,
+            }
+        }
+    }
+
+    /// An idle connection to the service, or a new one. `(conn, reused)`.
+    /// For a request that cannot be sent twice, an idle connection is asked
+    /// first (one system call) whether the service closed it meanwhile.
+    async fn upstream(
+        &mut self,
+        rt: &ServiceRt,
+        replayable: bool,
+    ) -> Result<(TcpStream, bool), Fail> {
+        while let Some(s) = rt.pool.pop() {
+            if replayable || crate::upstream::still_open(&s) {
+                return Ok((s, true));
+            }
+        }
+        let connect = rt.connect_within(&self.vs.dialer, self.vs.limits.connect_timeout);
+        let kill = &mut self.kill;
+        tokio::select! {
+            biased;
+            r = connect => match r {
+                Ok(s) => Ok((s, false)),
+                Err(e) => {
+                    tracing::debug!(service = %rt.name, error = %e, "upstream connect failed");
+                    Err(Fail::Connect)
+                }
+            },
+            _ = poll_fn(|cx| kill.poll(cx)) => Err(Fail::Abort),
+        }
+    }
+
+    /// Sends the request (its head is in `out`) to service `idx` and relays
+    /// the response. `Ok(keep)`: the response was relayed, and whether the
+    /// client connection stays open.
+    async fn exchange(
+        &mut self,
+        req: &Req,
+        flight: &mut InFlight<'_>,
+        body: &mut BodyLeft,
+        st: &VsState,
+        idx: usize,
+    ) -> Result<bool, Fail> {
+        let rt = flight.rt;
+        let (mut up, mut reused) = self.upstream(rt, req.replayable).await?;
+        self.upb.clear();
+        // The service answered before the whole body was sent.
+        let mut early = false;
+        if self.body_pending {
+            early = self.send_body(&up, rt, req, body).await?;
+        } else {
+            loop {
+                match up.write_all(&self.out).await {
+                    Ok(()) => break,
+                    // Sent again only if nothing of it can have been taken
+                    // as a request that has effects.
+                    Err(_) if reused && req.replayable => {
+                        (up, reused) = self.fresh(rt).await?;
+                    }
+                    Err(_) => return Err(Fail::Bad),
+                }
+            }
+        }
+
+        // The response head, informational responses skipped; its timeout
+        // runs from the end of the request.
+        let timeout = self.vs.limits.response_header_timeout;
+        self.resp_timer
+            .set(Instant::now() + timeout, slack(timeout));
+        let resp = loop {
+            if !self.upb.is_empty() {
+                match h1::response(&self.upb, req.is_head, !req.http10, &mut self.out) {
+                    Ok(Some(r)) if r.status < 200 => {
+                        if r.status == 101 {
+                            return Err(Fail::Bad); // no upgrade was asked for
+                        }
+                        self.upb.drain(..r.head_len);
+                        continue;
+                    }
+                    Ok(Some(r)) => break r,
+                    Ok(None) if self.upb.len() < MAX_RESPONSE_HEAD => {}
+                    Ok(None) | Err(_) => {
+                        tracing::debug!(service = %rt.name, "bad response head");
+                        return Err(Fail::Bad);
+                    }
+                }
+            }
+            if self.upb.capacity() - self.upb.len() < CHUNK / 2 {
+                self.upb.reserve(CHUNK);
+            }
+            let Conn {
+                upb,
+                kill,
+                resp_timer,
+                ..
+            } = self;
+            let r = tokio::select! {
+                biased;
+                r = up.read_buf(upb) => r,
+                _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
+                _ = poll_fn(|cx| resp_timer.poll(cx)) => {
+                    tracing::warn!(service = %rt.name, timeout_ms = timeout.as_millis() as u64, "no response headers in time");
+                    return Err(Fail::Timeout);
+                }
+            };
+            match r {
+                Ok(n) if n > 0 => {}
+                // Closed without a byte of answer: a reused connection that
+                // the service had closed meanwhile. A bodiless GET, HEAD or
+                // OPTIONS goes again on a new one; any other request may
+                // have been acted on, and is answered 502.
+                _ if reused && req.replayable && self.upb.is_empty() => {
+                    (up, reused) = self.fresh(rt).await?;
+                    if up.write_all(&self.out).await.is_err() {
+                        return Err(Fail::Bad);
+                    }
+                }
+                _ => {
+                    tracing::debug!(service = %rt.name, "upstream closed before its response head");
+                    return Err(Fail::Bad);
+                }
+            }
+        };
+
+        // The client's head: the service's, with the node's own headers.
+        let vs = self.vs;
+        flight.answered = true;
+        vs.traffic.add_bytes(resp.head_len);
+        flight.resp_bytes = resp.head_len as u64;
+        let to_client = match resp.body {
+            Framing::Chunked if req.http10 => Framing::Close, // decoded, then closed
+            f => f,
+        };
+        // After an early answer the rest of the request body is not read:
+        // neither connection can take another request.
+        let keep =
+            req.keep_alive && !early && to_client != Framing::Close && !vs.closing.is_cancelled();
+        let out = &mut self.out;
+        for (k, v) in [
+            (&b"x-lbscale-node: "[..], vs.node_hv.as_bytes()),
+            (b"x-lbscale-service: ", rt.name_hv.as_bytes()),
+        ] {
+            out.extend_from_slice(k);
+            out.extend_from_slice(v);
+            out.extend_from_slice(b"\r\n");
+        }
+        if req.sticky != Some(idx) && st.persistence == Persistence::Cookie {
+            if let Some(c) = st.set_cookie(idx) {
+                out.extend_from_slice(b"set-cookie: ");
+                out.extend_from_slice(c.as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        if !keep {
+            out.extend_from_slice(b"connection: close\r\n");
+        } else if req.http10 {
+            out.extend_from_slice(b"connection: keep-alive\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+
+        // The body: what came with the head first, in the same write.
+        let mut left = match resp.body {
+            Framing::Length(n) => n,
+            _ => 0,
+        };
+        let mut chunks = Chunked::default();
+        let decode = resp.body == Framing::Chunked && req.http10;
+        let mut reusable = resp.reusable && !early;
+        let mut pos = resp.head_len;
+        let mut done =
+            self.take_body(resp.body, &mut pos, &mut left, &mut chunks, decode, flight)?;
+        if pos < self.upb.len() && done {
+            reusable = false; // bytes past the response: not a connection to reuse
+        }
+        self.write_client_out().await?;
+        while !done {
+            self.upb.clear();
+            if self.upb.capacity() < CHUNK {
+                self.upb.reserve(CHUNK);
+            }
+            let Conn { upb, kill, .. } = self;
+            let r = tokio::select! {
+                biased;
+                r = up.read_buf(upb) => r,
+                _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
+            };
+            match r {
+                Ok(n) if n > 0 => {}
+                _ if resp.body == Framing::Close => break,
+                // The service closed mid-body: the client's response is cut.
+                _ => return Err(Fail::Abort),
+            }
+            let mut pos = 0;
+            self.out.clear();
+            done = self.take_body(resp.body, &mut pos, &mut left, &mut chunks, decode, flight)?;
+            if pos < self.upb.len() {
+                reusable = false;
+            }
+            self.write_client_out().await?;
+        }
+        flight.end = Some(Instant::now());
+        if reusable && !rt.is_draining() && rt.is_up() {
+            // Not back to the pool of a service that went DOWN (its pool was
+            // emptied then) or drains: it must be reached afresh.
+            rt.pool.push(up);
+        }
+        Ok(keep)
+    }
+
+    /// Moves the response body bytes of `upb[*pos..]` into `out` (a chunked
+    /// body decoded when `decode`, else written out again); `Ok(true)` at the
+    /// body's end.
+    fn take_body(
+        &mut self,
+        body: Framing,
+        pos: &mut usize,
+        left: &mut u64,
+        chunks: &mut Chunked,
+        decode: bool,
+        flight: &mut InFlight<'_>,
+    ) -> Result<bool, Fail> {
+        let avail = &self.upb[*pos..];
+        let (n, done) = match body {
+            Framing::None => (0, true),
+            Framing::Length(_) => {
+                let n = (*left).min(avail.len() as u64) as usize;
+                *left -= n as u64;
+                self.out.extend_from_slice(&avail[..n]);
+                (n, *left == 0)
+            }
+            Framing::Chunked => {
+                let emit = if decode {
+                    Emit::Data(&mut self.out)
+                } else {
+                    Emit::Chunks(&mut self.out)
+                };
+                // A malformed body: the client's response is cut.
+                let n = chunks.feed(avail, emit).map_err(|_| Fail::Abort)?;
+                (n, chunks.done())
+            }
+            Framing::Close => {
+                self.out.extend_from_slice(avail);
+                (avail.len(), false)
+            }
+        };
+        *pos += n;
+        self.vs.traffic.add_bytes(n);
+        flight.resp_bytes += n as u64;
+        Ok(done)
+    }
+
+    /// A new connection to the service, for a request that a reused one could
+    /// not take.
+    async fn fresh(&mut self, rt: &ServiceRt) -> Result<(TcpStream, bool), Fail> {
+        let connect = rt.connect_within(&self.vs.dialer, self.vs.limits.connect_timeout);
+        let kill = &mut self.kill;
+        tokio::select! {
+            biased;
+            r = connect => r.map(|s| (s, false)).map_err(|_| Fail::Bad),
+            _ = poll_fn(|cx| kill.poll(cx)) => Err(Fail::Abort),
+        }
+    }
+
+    /// Sends `out` (the head and the body bytes that came with it) and the
+    /// rest of the request body to the service, reading the client only as
+    /// the service takes it, and watching the service meanwhile: `Ok(true)`
+    /// when it answered (its bytes in `upb`) or closed before the whole body
+    /// was sent. Either way stalling for the response-header timeout ends
+    /// it: the client's side 408, the service's 504.
+    async fn send_body(
+        &mut self,
+        up: &TcpStream,
+        rt: &ServiceRt,
+        req: &Req,
+        body: &mut BodyLeft,
+    ) -> Result<bool, Fail> {
+        let idle = self.vs.limits.response_header_timeout;
+        let slack = slack(idle);
+        self.resp_timer.set(Instant::now() + idle, slack);
+        // `Expect: 100-continue` is answered once the head is sent, unless
+        // body bytes came with it (the client did not wait).
+        let mut continued = !req.expect_continue || self.ipos < self.inb.len();
+        let mut wpos = 0;
+        loop {
+            if wpos < self.out.len() {
+                let Conn {
+                    out,
+                    kill,
+                    resp_timer,
+                    upb,
+                    ..
+                } = self;
+                tokio::select! {
+                    biased;
+                    _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
+                    r = up.readable() => {
+                        if r.is_err() || answered_early(up, upb) {
+                            return Ok(true);
+                        }
+                    }
+                    r = up.writable() => {
+                        if r.is_err() {
+                            return Ok(true); // its answer, if any, is read next
+                        }
+                        match up.try_write(&out[wpos..]) {
+                            Ok(n) => {
+                                wpos += n;
+                                resp_timer.set(Instant::now() + idle, slack);
+                            }
+                            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                            Err(_) => return Ok(true),
+                        }
+                    }
+                    _ = poll_fn(|cx| resp_timer.poll(cx)) => {
+                        tracing::warn!(service = %rt.name, "the service takes no more of the request body");
+                        return Err(Fail::Timeout);
+                    }
+                }
+                continue;
+            }
+            if !self.body_pending {
+                return Ok(false);
+            }
+            if !continued {
+                continued = true;
+                self.write_client_bytes(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    .await?;
+            }
+            self.out.clear();
+            wpos = 0;
+            self.make_room();
+            let Conn {
+                client,
+                inb,
+                kill,
+                resp_timer,
+                upb,
+                ..
+            } = self;
+            let r = tokio::select! {
+                biased;
+                _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
+                r = up.readable() => {
+                    if r.is_err() || answered_early(up, upb) {
+                        return Ok(true);
+                    }
+                    continue;
+                }
+                r = client.read_buf(inb) => r,
+                _ = poll_fn(|cx| resp_timer.poll(cx)) => return Err(Fail::ClientTimeout),
+            };
+            match r {
+                Ok(n) if n > 0 => {}
+                _ => return Err(Fail::Abort), // the client went away mid-body
+            }
+            self.resp_timer.set(Instant::now() + idle, slack);
+            let avail = &self.inb[self.ipos..];
+            let n = match req.body {
+                Framing::Length(_) => {
+                    let n = body.left.min(avail.len() as u64) as usize;
+                    body.left -= n as u64;
+                    self.out.extend_from_slice(&avail[..n]);
+                    self.body_pending = body.left > 0;
+                    n
+                }
+                _ => {
+                    let n = body
+                        .chunks
+                        .feed(avail, Emit::Chunks(&mut self.out))
+                        .map_err(|_| Fail::BadRequest)?;
+                    self.body_pending = !body.chunks.done();
+                    n
+                }
+            };
+            self.ipos += n;
+            self.vs.traffic.add_bytes(n);
+        }
+    }
+
+    async fn write_client_out(&mut self) -> Result<(), Fail> {
+        let Conn {
+            client, out, kill, ..
+        } = self;
+        if out.is_empty() {
+            return Ok(());
+        }
+        tokio::select! {
+            biased;
+            r = client.write_all(out) => r.map_err(|_| Fail::Abort),
+            _ = poll_fn(|cx| kill.poll(cx)) => Err(Fail::Abort),
+        }
+    }
+
+    async fn write_client_bytes(&mut self, b: &[u8]) -> Result<(), Fail> {
+        self.client.write_all(b).await.map_err(|_| Fail::Abort)
+    }
+
+    /// Answers the request itself (no service could). Returns as
+    /// [`Conn::proxy`] does: the connection stays open unless the client
+    /// closes it or the request's body was not read.
+    async fn answer(&mut self, req: &Req, status: u16, reason: &str, msg: &str) -> Option<Instant> {
+        let keep = req.keep_alive && !self.body_pending && !self.vs.closing.is_cancelled();
+        self.simple(status, reason, msg, keep);
+        self.write_client_out().await.ok()?;
+        keep.then(Instant::now)
+    }
+
+    /// A response of the node's own into `out`.
+    fn simple(&mut self, status: u16, reason: &str, msg: &str, keep: bool) {
+        let out = &mut self.out;
+        out.clear();
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(h1::itoa(u64::from(status), &mut [0; 20]));
+        out.push(b' ');
+        out.extend_from_slice(reason.as_bytes());
+        out.extend_from_slice(b"\r\ncontent-type: text/plain\r\nx-lbscale-node: ");
+        out.extend_from_slice(self.vs.node_hv.as_bytes());
+        out.extend_from_slice(b"\r\ncontent-length: ");
+        out.extend_from_slice(h1::itoa(msg.len() as u64, &mut [0; 20]));
+        if !keep {
+            out.extend_from_slice(b"\r\nconnection: close");
+        }
+        out.extend_from_slice(b"\r\n\r\n");
+        out.extend_from_slice(msg.as_bytes());
+    }
+
+    /// Answers a head that cannot be served, then closes: what the client
+    /// still sends is read (a little while, a bounded amount) so that it gets
+    /// the answer rather than a reset.
+    async fn refuse(&mut self, status: u16, msg: &str) {
+        let reason = if status == 431 {
+            "Request Header Fields Too Large"
+        } else {
+            "Bad Request"
+        };
+        self.simple(status, reason, msg, false);
+        if self.write_client_out().await.is_err() {
+            return;
+        }
+        self.linger().await;
+    }
+
+    /// Closes the client's side for writing, then reads (a little while, a
+    /// bounded amount) and drops what the client still sends, so that a
+    /// closing with unread bytes does not reset the answer away.
+    async fn linger(&mut self) {
+        let _ = self.client.shutdown().await;
+        let linger = async {
+            let mut sink = [0u8; 4096];
+            let mut total = 0;
+            while total < LINGER_BYTES {
+                match self.client.read(&mut sink).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => total += n,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, linger).await;
+    }
+}
+
+/// After the service's side turned readable while a request body is sent:
+/// reads what it sent into `upb`. `true`: an answer (or the service closed),
+/// the body is sent no further; `false`: nothing after all, or only interim
+/// (1xx) responses, which are dropped.
+fn answered_early(up: &TcpStream, upb: &mut Vec<u8>) -> bool {
+    if upb.capacity() - upb.len() < CHUNK / 2 {
+        upb.reserve(CHUNK);
+    }
+    match up.try_read_buf(upb) {
+        Ok(0) => true,
+        Ok(_) => {
+            while let Some(n) = h1::interim(upb) {
+                upb.drain(..n);
+            }
+            !upb.is_empty()
+        }
+        Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+        Err(_) => true,
     }
 }

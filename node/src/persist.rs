@@ -95,12 +95,19 @@ pub fn cookie_token(name: &str, address: &str, port: u16) -> String {
 }
 
 /// The value of cookie `name` in the request's `Cookie` headers, if any.
+#[cfg(test)]
 pub fn find_cookie<'a>(headers: &'a hyper::HeaderMap, name: &str) -> Option<&'a str> {
     headers
         .get_all(hyper::header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
+        .find_map(|v| cookie_in(v, name))
+}
+
+/// The value of cookie `name` in one `Cookie` field's value, if any.
+pub fn cookie_in<'a>(value: &'a str, name: &str) -> Option<&'a str> {
+    value
+        .split(';')
         .filter_map(|kv| kv.trim().split_once('='))
         .find(|(k, _)| k.trim() == name)
         .map(|(_, v)| v.trim().trim_matches('"'))

@@ -2,18 +2,24 @@
 //! chunked, `Expect: 100-continue`) reach the service intact, responses come
 //! back whole (chunked, HEAD, until close, decoded for an HTTP/1.0 client),
 //! pipelined requests are answered in order, and a service that closes its
-//! idle keep-alive connections costs no request. The real binary, real sockets.
+//! idle keep-alive connections costs no request. Then what keeps the proxy
+//! safe between clients and services that parse differently: chunked trailers
+//! never passed on (a malformed section refused), a POST never sent twice, a
+//! stalled request body answered 408, a service's early answer relayed, a
+//! request with both a coding and a length refused, a service's own
+//! `X-LBSCALE-*` headers replaced. The real binary, real sockets.
 
 mod common;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
 use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, Vserver};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 const NODE_IP: &str = "127.77.71.1";
@@ -90,11 +96,22 @@ async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(String, V
 /// - `/chunked`: `hello world` in two chunks;
 /// - `/close`: `bye` without a length, then it closes;
 /// - `/once`: `once`, then it closes the connection without saying so
-///   (as a service whose keep-alive timeout ran out between two requests).
+///   (as a service whose keep-alive timeout ran out between two requests);
+/// - `/drop`: counted in [`DROPPED`], then the connection closes unanswered;
+/// - `/spoof`: `spoof`, with `X-LBSCALE-Node` and `X-LBSCALE-Service` of its own;
+/// - `/both`: `hello` chunked, with a `Content-Length` as well;
+/// - anything else: `once`.
 ///
 /// Counts its connections.
 async fn backend() -> Arc<AtomicU64> {
-    let l = TcpListener::bind(BACKEND).await.unwrap();
+    backend_at(BACKEND).await
+}
+
+/// Requests to `/drop` that a service received.
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+async fn backend_at(addr: &str) -> Arc<AtomicU64> {
+    let l = TcpListener::bind(addr).await.unwrap();
     let conns = Arc::new(AtomicU64::new(0));
     let c = conns.clone();
     tokio::spawn(async move {
@@ -124,6 +141,16 @@ async fn backend() -> Arc<AtomicU64> {
                               5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
                             .to_vec(),
                         "/close" => b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nbye".to_vec(),
+                        "/drop" => {
+                            DROPPED.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        "/spoof" => b"HTTP/1.1 200 OK\r\nX-LBSCALE-Node: evil\r\n\
+                              x-lbscale-service: evil\r\nContent-Length: 5\r\n\r\nspoof"
+                            .to_vec(),
+                        "/both" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\
+                              Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                            .to_vec(),
                         _ => b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nonce".to_vec(),
                     };
                     // A HEAD gets the head alone.
@@ -168,12 +195,19 @@ async fn response(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> (u16
     (status, head, body)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_framing_end_to_end() {
-    let conns = backend().await;
-    let (_node, _dir) = start_serve("httpproxy", NODE_IP, &["--health-interval-ms", "0"]);
-    let mut cl = api_client(NODE_IP).await;
-    let sa: SocketAddr = BACKEND.parse().unwrap();
+/// Starts a node `name` on `ip` (with `extra` options) whose HTTP vserver on
+/// port 8080 has one service, `b` at `backend`; returns the VIP.
+async fn http_node(
+    name: &str,
+    ip: &str,
+    backend: &str,
+    extra: &[&str],
+) -> (common::Proc, PathBuf, String) {
+    let mut args = vec!["--health-interval-ms", "0"];
+    args.extend_from_slice(extra);
+    let (node, dir) = start_serve(name, ip, &args);
+    let mut cl = api_client(ip).await;
+    let sa: SocketAddr = backend.parse().unwrap();
     tokio::time::timeout(
         Duration::from_secs(10),
         cl.configure(NodeConfig {
@@ -201,7 +235,13 @@ async fn http_framing_end_to_end() {
     .await
     .expect("Configure within 10 s")
     .expect("Configure");
-    let vip = format!("{NODE_IP}:8080");
+    (node, dir, format!("{ip}:8080"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_framing_end_to_end() {
+    let conns = backend().await;
+    let (_node, _dir, vip) = http_node("httpproxy", NODE_IP, BACKEND, &[]).await;
 
     let test = async {
         let mut s = TcpStream::connect(&vip).await.unwrap();
@@ -311,4 +351,365 @@ async fn http_framing_end_to_end() {
         conns.load(Ordering::SeqCst) >= 20,
         "a new connection after each /once"
     );
+}
+
+/// What a lenient service received: the paths of its requests and the trailer
+/// fields of their chunked bodies.
+#[derive(Default)]
+struct Seen {
+    paths: Vec<String>,
+    trailers: Vec<String>,
+}
+
+/// A service that parses leniently, as some do: a line ends at LF (a CR before
+/// it optional). Answers each request with its path.
+async fn lenient_backend(addr: &str) -> Arc<Mutex<Seen>> {
+    let l = TcpListener::bind(addr).await.unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let sn = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let seen = sn.clone();
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let mut r = BufReader::new(r);
+                async fn line(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> Option<String> {
+                    let mut l = Vec::new();
+                    match r.read_until(b'\n', &mut l).await {
+                        Ok(0) | Err(_) => None,
+                        Ok(_) => {
+                            let s = String::from_utf8_lossy(&l).to_string();
+                            Some(s.trim_end_matches('\n').trim_end_matches('\r').to_string())
+                        }
+                    }
+                }
+                while let Some(start) = line(&mut r).await {
+                    let path = start.split_whitespace().nth(1).unwrap_or("").to_string();
+                    let (mut chunked, mut length) = (false, 0usize);
+                    loop {
+                        let Some(h) = line(&mut r).await else { return };
+                        if h.is_empty() {
+                            break;
+                        }
+                        let (k, v) = h.split_once(':').unwrap_or((&h, ""));
+                        if k.eq_ignore_ascii_case("transfer-encoding") {
+                            chunked = v.to_ascii_lowercase().contains("chunked");
+                        } else if k.eq_ignore_ascii_case("content-length") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    if chunked {
+                        loop {
+                            let Some(size) = line(&mut r).await else {
+                                return;
+                            };
+                            let n =
+                                usize::from_str_radix(size.split(';').next().unwrap().trim(), 16)
+                                    .unwrap_or(0);
+                            if n == 0 {
+                                loop {
+                                    let Some(t) = line(&mut r).await else { return };
+                                    if t.is_empty() {
+                                        break;
+                                    }
+                                    seen.lock().unwrap().trailers.push(t);
+                                }
+                                break;
+                            }
+                            let mut data = vec![0u8; n];
+                            if r.read_exact(&mut data).await.is_err()
+                                || line(&mut r).await.is_none()
+                            {
+                                return;
+                            }
+                        }
+                    } else {
+                        let mut data = vec![0u8; length];
+                        if r.read_exact(&mut data).await.is_err() {
+                            return;
+                        }
+                    }
+                    seen.lock().unwrap().paths.push(path.clone());
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{path}",
+                        path.len()
+                    );
+                    if w.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    seen
+}
+
+/// Finding 1 of the review of fe162b2: trailer bytes were forwarded as they
+/// came, so a bare LF in them hid a second request from the node that a
+/// lenient service answered, and its answer went to the next client of that
+/// pooled connection. Trailers are now left out (the node writes the last
+/// chunk itself) and a malformed trailer section is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_trailers_never_reach_a_service_and_malformed_ones_are_refused() {
+    let seen = lenient_backend("127.77.72.100:8000").await;
+    let (_node, _dir, vip) = http_node("trailers", "127.77.72.1", "127.77.72.100:8000", &[]).await;
+    let test = async {
+        // Well-formed trailers: the body arrives, its trailers do not.
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(
+            b"POST /t1 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n\
+              3\r\nabc\r\n0\r\nX-Checksum: 1\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let (st, head, body) = response(&mut s, &mut buf, false).await;
+        assert_eq!((st, body.as_slice()), (200, &b"/t1"[..]), "{head}");
+
+        // A request hidden behind a bare LF in the trailer section: refused.
+        for bad in [
+            &b"0\r\nX: y\n\nGET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n\r\n"[..],
+            b"0\r\nGET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n",
+        ] {
+            let mut s = TcpStream::connect(&vip).await.unwrap();
+            let mut req =
+                b"POST /t2 HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+                    .to_vec();
+            req.extend_from_slice(bad);
+            s.write_all(&req).await.unwrap();
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all).await;
+            let all = String::from_utf8_lossy(&all).to_string();
+            assert!(all.starts_with("HTTP/1.1 400 "), "{all}");
+        }
+        // The pooled connection answers the next client with its own answer.
+        for i in 0..3 {
+            let mut s = TcpStream::connect(&vip).await.unwrap();
+            let mut buf = Vec::new();
+            s.write_all(format!("GET /after{i} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let (st, head, body) = response(&mut s, &mut buf, false).await;
+            assert_eq!(st, 200, "{head}");
+            assert_eq!(String::from_utf8_lossy(&body), format!("/after{i}"));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), test)
+        .await
+        .expect("the exchanges within 20 s");
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.trailers.is_empty(),
+        "trailers reached the service: {:?}",
+        seen.trailers
+    );
+    assert!(
+        !seen.paths.iter().any(|p| p == "/smuggled"),
+        "a smuggled request reached the service: {:?}",
+        seen.paths
+    );
+}
+
+/// Finding 2: a POST sent on a reused connection that closed before
+/// answering was sent again on a new one. Only a bodiless GET, HEAD or
+/// OPTIONS is sent again now; a POST is answered 502, received once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_is_never_sent_twice() {
+    let _b = backend_at("127.77.73.100:8000").await;
+    let (_node, _dir, vip) = http_node("replay", "127.77.73.1", "127.77.73.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        // A request that leaves the service's connection idle in the pool.
+        s.write_all(b"GET /echo HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut s, &mut buf, false).await.0, 200);
+        // On that reused connection the service takes the POST and closes.
+        s.write_all(b"POST /drop HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")
+            .await
+            .unwrap();
+        let (st, head, _) = response(&mut s, &mut buf, false).await;
+        assert_eq!(st, 502, "{head}");
+    };
+    tokio::time::timeout(Duration::from_secs(20), test)
+        .await
+        .expect("the exchanges within 20 s");
+    assert_eq!(
+        DROPPED.load(Ordering::SeqCst),
+        1,
+        "the POST reached the service more than once"
+    );
+}
+
+/// Finding 3: no timeout while a request body was read. A body that stops
+/// coming for the response-header timeout is answered 408, and the
+/// connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_that_stops_coming_is_answered_408() {
+    let _b = backend_at("127.77.74.100:8000").await;
+    let (_node, _dir, vip) = http_node(
+        "bodytimeout",
+        "127.77.74.1",
+        "127.77.74.100:8000",
+        &["--response-header-timeout-ms", "700"],
+    )
+    .await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
+            .await
+            .unwrap();
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all).await;
+        String::from_utf8_lossy(&all).to_string()
+    };
+    let all = tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("an answer and a close within 10 s");
+    assert!(all.starts_with("HTTP/1.1 408 "), "{all}");
+    assert!(all.contains("connection: close"), "{all}");
+}
+
+/// Finding 4: a service's final answer before the whole request body was sent
+/// (413 here) became a 502. It is relayed now, and the connections closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_body_is_sent_is_relayed() {
+    // A service that answers 413 after the head, then reads nothing more for
+    // a while (far more than fits in the sockets' buffers is sent), then closes.
+    let l = TcpListener::bind("127.77.75.100:8000").await.unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if until(&mut s, &mut buf, b"\r\n\r\n").await.is_none() {
+                    return;
+                }
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 9\r\n\
+                          Connection: close\r\n\r\ntoo large",
+                    )
+                    .await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            });
+        }
+    });
+    let (_node, _dir, vip) = http_node("early", "127.77.75.1", "127.77.75.100:8000", &[]).await;
+    let test = async {
+        let s = TcpStream::connect(&vip).await.unwrap();
+        let (mut r, mut w) = s.into_split();
+        const BODY: usize = 64 << 20;
+        w.write_all(
+            format!("POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: {BODY}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let writer = tokio::spawn(async move {
+            let chunk = vec![b'x'; 1 << 16];
+            for _ in 0..BODY / chunk.len() {
+                if w.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut all = Vec::new();
+        let mut tmp = [0u8; 4096];
+        while !all.ends_with(b"too large") {
+            match r.read(&mut tmp).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => all.extend_from_slice(&tmp[..n]),
+            }
+        }
+        writer.abort();
+        String::from_utf8_lossy(&all).to_string()
+    };
+    let all = tokio::time::timeout(Duration::from_secs(4), test)
+        .await
+        .expect("the service's answer within 4 s");
+    assert!(all.starts_with("HTTP/1.1 413 "), "{all}");
+    assert!(all.ends_with("\r\n\r\ntoo large"), "{all}");
+    assert!(all.contains("connection: close"), "{all}");
+}
+
+/// Finding 5: a request with both `Transfer-Encoding` and `Content-Length`
+/// kept the connection open. It is refused (400) and the connection closed;
+/// a service's response with both is relayed chunked and its connection not
+/// used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coding_with_a_length_is_refused_and_closes() {
+    let conns = backend_at("127.77.76.100:8000").await;
+    let (_node, _dir, vip) = http_node("tecl", "127.77.76.1", "127.77.76.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\
+              Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all).await;
+        let all = String::from_utf8_lossy(&all).to_string();
+        assert!(all.starts_with("HTTP/1.1 400 "), "{all}");
+        assert_eq!(
+            conns.load(Ordering::SeqCst),
+            0,
+            "the request reached the service"
+        );
+
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        for _ in 0..2 {
+            s.write_all(b"GET /both HTTP/1.1\r\nHost: t\r\n\r\n")
+                .await
+                .unwrap();
+            let (st, head, body) = response(&mut s, &mut buf, false).await;
+            assert_eq!(st, 200, "{head}");
+            assert!(header(&head, "content-length").is_none(), "{head}");
+            assert_eq!(body, b"5\r\nhello\r\n0\r\n\r\n");
+        }
+        assert_eq!(
+            conns.load(Ordering::SeqCst),
+            2,
+            "a connection whose response had both was used again"
+        );
+    };
+    tokio::time::timeout(Duration::from_secs(20), test)
+        .await
+        .expect("the exchanges within 20 s");
+}
+
+/// Finding 6: a service's own `X-LBSCALE-Node` and `X-LBSCALE-Service` went
+/// to the client next to the node's. Only the node's are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_own_lbscale_headers_are_replaced() {
+    let _b = backend_at("127.77.77.100:8000").await;
+    let (_node, _dir, vip) = http_node("ownhdr", "127.77.77.1", "127.77.77.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(b"GET /spoof HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        response(&mut s, &mut buf, false).await
+    };
+    let (st, head, body) = tokio::time::timeout(Duration::from_secs(20), test)
+        .await
+        .expect("the exchange within 20 s");
+    assert_eq!((st, body.as_slice()), (200, &b"spoof"[..]), "{head}");
+    let values = |name: &str| -> Vec<String> {
+        head.split("\r\n")
+            .filter_map(|l| l.split_once(':'))
+            .filter(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim().to_string())
+            .collect()
+    };
+    assert_eq!(
+        values("x-lbscale-node"),
+        vec!["ownhdr".to_string()],
+        "{head}"
+    );
+    assert_eq!(values("x-lbscale-service"), vec!["b".to_string()], "{head}");
 }
