@@ -26,6 +26,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(900);
 /// The poll interval when ARM gives no `Retry-After`.
 const DEFAULT_POLL: Duration = Duration::from_secs(5);
+/// Tries of a read-modify-write that other writers keep beating.
+const ETAG_ATTEMPTS: u32 = 5;
 
 /// A refused or failed call.
 #[derive(Debug, Clone)]
@@ -249,6 +251,58 @@ impl Arm {
             match a.body["nextLink"].as_str() {
                 Some(l) if !l.is_empty() => next = Some(l.to_string()),
                 _ => return Ok(out),
+            }
+        }
+    }
+
+    /// Makes the resource at `path` (`kind`, e.g. "load balancer", and `name`
+    /// name it in errors) have `wanted` as its `shape`, by the read-modify-write
+    /// that a resource with several writers needs: it is read, left alone when
+    /// it already has it, else `body(current)` is put with `If-Match` of the
+    /// ETag read (`If-None-Match: *` when there was none), and a 412 (someone
+    /// wrote in between) reads it again, up to [`ETAG_ATTEMPTS`] times. What
+    /// the PUT leaves must have `wanted`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn converge<S: PartialEq + std::fmt::Debug>(
+        &self,
+        kind: &str,
+        name: &str,
+        path: &str,
+        api_version: &str,
+        wanted: &S,
+        shape: impl Fn(&Value) -> S,
+        body: impl Fn(Option<&Value>) -> Value,
+    ) -> Result<(), CloudError> {
+        let what = format!("{kind} PUT {name}");
+        let mut attempt = 1;
+        loop {
+            let current = self.get(&format!("{kind} GET"), path, api_version).await?;
+            let current = current.map(|c| c.body);
+            if current.as_ref().is_some_and(|c| shape(c) == *wanted) {
+                return Ok(());
+            }
+            let etag = current
+                .as_ref()
+                .and_then(|c| c["etag"].as_str())
+                .map(str::to_string);
+            let condition = match &etag {
+                Some(e) => ("if-match", e.as_str()),
+                None => ("if-none-match", "*"),
+            };
+            let put = body(current.as_ref());
+            match self.put(&what, path, api_version, &put, &[condition]).await {
+                Ok(after) if shape(&after) == *wanted => return Ok(()),
+                Ok(after) => {
+                    return Err(CloudError::Failed(format!(
+                        "Azure {what}: after the PUT the {kind} is not what was put (it has {:?}, wanted {wanted:?})",
+                        shape(&after)
+                    )))
+                }
+                Err(e) if e.status == 412 && attempt < ETAG_ATTEMPTS => {
+                    tracing::debug!(%name, attempt, "the {kind} changed since it was read; reading it again");
+                    attempt += 1;
+                }
+                Err(e) => return Err(failed(&what, e)),
             }
         }
     }

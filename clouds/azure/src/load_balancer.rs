@@ -18,14 +18,12 @@
 //! is read, the whole wanted body is put with `If-Match` of the ETag read,
 //! and a 412 (someone wrote in between) reads it again.
 
-use super::{arm, AzureCloud};
+use super::AzureCloud;
 use lbscale_engine::cloud::{Balance, CloudError, Publication, Result};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 
 const NET_VERSION: &str = "2025-07-01";
-/// Tries of a read-modify-write that other writers keep beating.
-const ETAG_ATTEMPTS: u32 = 5;
 
 /// What the load balancer must be: frontends, pools, probes and rules.
 #[derive(Debug, Clone, Eq, Default)]
@@ -86,43 +84,17 @@ impl AzureCloud {
             vips.insert(zone.clone(), ip.address);
         }
         let path = self.lb_path(id);
-        let what = format!("load balancer PUT {}", Self::name_of(id, 80));
-        let mut attempt = 1;
-        loop {
-            let current = self
-                .arm
-                .get("load balancer GET", &path, NET_VERSION)
-                .await?;
-            if let Some(c) = &current {
-                if shape_of(&c.body) == wanted {
-                    break;
-                }
-            }
-            let body = self.lb_body(id, &path, &wanted);
-            let etag = current
-                .as_ref()
-                .and_then(|c| c.body["etag"].as_str())
-                .map(str::to_string);
-            let condition = match &etag {
-                Some(e) => ("if-match", e.as_str()),
-                None => ("if-none-match", "*"),
-            };
-            match self.arm.put(&what, &path, NET_VERSION, &body, &[condition]).await {
-                Ok(after) if shape_of(&after) == wanted => break,
-                Ok(after) => {
-                    return Err(CloudError::Failed(format!(
-                        "Azure {what}: after the PUT the load balancer is not what was put (it has {:?}, wanted {:?})",
-                        shape_of(&after),
-                        wanted
-                    )))
-                }
-                Err(e) if e.status == 412 && attempt < ETAG_ATTEMPTS => {
-                    tracing::debug!(lb = %Self::name_of(id, 80), attempt, "the load balancer changed since it was read; reading it again");
-                    attempt += 1;
-                }
-                Err(e) => return Err(arm::failed(&what, e)),
-            }
-        }
+        self.arm
+            .converge(
+                "load balancer",
+                &Self::name_of(id, 80),
+                &path,
+                NET_VERSION,
+                &wanted,
+                shape_of,
+                |_| self.lb_body(id, &path, &wanted),
+            )
+            .await?;
         let mut rt = self.runtime_checked(id)?;
         rt.nlb_addresses = vips;
         self.save_runtime(id, &rt)?;

@@ -17,7 +17,7 @@
 //! back to these (the group is written with `If-Match` of the ETag read), and
 //! the group's destroy deletes it once its nodes' interfaces are gone.
 
-use super::{arm, AzureCloud, NODE_API_PORT};
+use super::{AzureCloud, NODE_API_PORT};
 use lbscale_engine::cloud::{CloudError, GroupResources, Listener, Result, Transport};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,7 +28,6 @@ const NET_VERSION: &str = "2025-07-01";
 /// the group's security group (Azure refuses to delete one in use).
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(300);
 const RELEASE_POLL: Duration = Duration::from_secs(5);
-const ETAG_ATTEMPTS: u32 = 5;
 const GROUP_TAG: &str = "lbscale-group-id";
 
 /// One inbound rule as lbscale writes and compares it.
@@ -225,53 +224,29 @@ impl AzureCloud {
             g.node.management_cidrs.clone()
         };
         let wanted = wanted_rules(&g.listeners, &sources);
-        let what = format!("network security group PUT {}", nsg_name(&g.group_id));
-        let mut attempt = 1;
-        loop {
-            let current = self
-                .arm
-                .get("network security group GET", &path, NET_VERSION)
-                .await?;
-            if let Some(c) = &current {
-                if rules_of(&c.body) == wanted {
-                    return Ok(());
-                }
-            }
+        let body = |current: Option<&Value>| {
+            // The tags an operator added are kept.
             let mut tags: BTreeMap<String, String> = current
-                .as_ref()
-                .and_then(|c| serde_json::from_value(c.body["tags"].clone()).ok())
+                .and_then(|c| serde_json::from_value(c["tags"].clone()).ok())
                 .unwrap_or_default();
             tags.insert(GROUP_TAG.into(), g.group_id.clone());
-            let body = json!({
+            json!({
                 "location": self.location,
                 "tags": tags,
                 "properties": {"securityRules": wanted.iter().map(rule_body).collect::<Vec<_>>()},
-            });
-            let etag = current
-                .as_ref()
-                .and_then(|c| c.body["etag"].as_str())
-                .map(str::to_string);
-            let condition = match &etag {
-                Some(e) => ("if-match", e.as_str()),
-                None => ("if-none-match", "*"),
-            };
-            match self
-                .arm
-                .put(&what, &path, NET_VERSION, &body, &[condition])
-                .await
-            {
-                Ok(after) if rules_of(&after) == wanted => return Ok(()),
-                Ok(after) => {
-                    return Err(CloudError::Failed(format!(
-                        "Azure {what}: after the PUT its rules are {:?}, not the ones put {:?}",
-                        rules_of(&after),
-                        wanted
-                    )))
-                }
-                Err(e) if e.status == 412 && attempt < ETAG_ATTEMPTS => attempt += 1,
-                Err(e) => return Err(arm::failed(&what, e)),
-            }
-        }
+            })
+        };
+        self.arm
+            .converge(
+                "network security group",
+                &nsg_name(&g.group_id),
+                &path,
+                NET_VERSION,
+                &wanted,
+                rules_of,
+                body,
+            )
+            .await
     }
 
     /// The address spaces of the virtual networks of `node.subnets`.
