@@ -11,7 +11,7 @@
 //! holder exclude each other, so an apply never acts with the daemon on an AZ.
 
 use crate::model::GroupSpec;
-use crate::reconcile::{EngineError, KeptLease, Result};
+use crate::reconcile::{EngineError, GroupView, KeptLease, Result, SpanView};
 use crate::store::{daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError};
 use crate::Engine;
 use lbscale_core::policy::{AzState, PolicyConfig};
@@ -28,7 +28,102 @@ pub enum Turn {
     Applying { holder: String },
 }
 
+/// Whether a daemon holds its claim on a group ([`Engine::daemon_claim`]).
+pub enum Claim {
+    /// It does (acquired or renewed now, for the TTL asked).
+    Ours(Lease),
+    /// Another daemon does.
+    OtherDaemon { holder: String },
+}
+
+/// What one evaluation of the daemon reads of a group: the group's row with
+/// its distributor and who holds the group's lease (one statement), and its
+/// nodes (one more), as [`Engine::group_snapshot`] read them.
+pub struct GroupSnapshot {
+    pub row: Row<GroupSpec>,
+    pub version: i64,
+    /// The group's destroy began and stopped half-way.
+    pub deleting: bool,
+    /// Who holds the group's own lease, other than this process (whose own
+    /// workflows take it in the engine's name, as the daemon's resume does):
+    /// an apply works on the group.
+    pub applying: Option<String>,
+    pub view: GroupView,
+    pub rows: Vec<NodeRow>,
+    config_version: u64,
+    behind_nlb: bool,
+}
+
 impl Engine {
+    /// The group as one evaluation needs it (see [`GroupSnapshot`]); `None`
+    /// when it is gone.
+    pub async fn group_snapshot(&self, group_id: &str) -> Result<Option<GroupSnapshot>> {
+        let Some(rec) = self.store.group_record(group_id)? else {
+            return Ok(None);
+        };
+        let rows = self.store.nodes_of_group(group_id)?;
+        let view = self.view_of(rec.row.clone(), rows.clone()).await?;
+        Ok(Some(GroupSnapshot {
+            behind_nlb: rec
+                .distributor
+                .as_ref()
+                .is_some_and(|d| d.mode == crate::model::DistributorMode::Nlb),
+            applying: rec.lease_holder.filter(|h| *h != self.holder),
+            row: rec.row,
+            version: rec.version,
+            deleting: rec.deleting,
+            config_version: rec.config_version,
+            view,
+            rows,
+        }))
+    }
+
+    /// [`Engine::stale_configurations`] of the snapshot's group, from the
+    /// nodes it read (only the vservers are read here).
+    pub fn stale_configurations_in(&self, s: &GroupSnapshot) -> Result<Vec<String>> {
+        self.stale_among(&s.row, s.config_version, s.behind_nlb, &s.rows)
+    }
+
+    /// [`Engine::vserver_spans`] of the snapshot's group (nothing is read
+    /// behind `dns`: there is no span to size).
+    pub fn vserver_spans_in(&self, s: &GroupSnapshot) -> Result<Vec<SpanView>> {
+        if !s.behind_nlb {
+            return Ok(Vec::new());
+        }
+        self.spans_behind_nlb(&s.row, &s.rows)
+    }
+
+    /// Takes or renews `daemon`'s claim on the group for `ttl` (the lease
+    /// [`daemon_claim_key`], with its fencing token). Unlike
+    /// [`Engine::daemon_turn`], it neither probes the group's lease (the
+    /// daemon reads that in [`Engine::group_snapshot`]) nor keeps renewing the
+    /// claim: the daemon renews all its claims together
+    /// ([`Engine::renew_daemon_claims`]).
+    pub fn daemon_claim(&self, group_id: &str, daemon: &str, ttl: Duration) -> Result<Claim> {
+        match self
+            .store
+            .acquire_lease(&daemon_claim_key(group_id), daemon, ttl)
+        {
+            Ok(l) => Ok(Claim::Ours(l)),
+            Err(StoreError::LeaseHeld { holder, .. }) => Ok(Claim::OtherDaemon { holder }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Renews `daemon`'s claims on `group_ids` for `ttl`, a few hundred per
+    /// statement; returns the claims renewed (keyed [`daemon_claim_key`]). A
+    /// group missing from the answer is no longer this daemon's (taken over,
+    /// expired, released, or the group is gone).
+    pub fn renew_daemon_claims(
+        &self,
+        daemon: &str,
+        group_ids: &[String],
+        ttl: Duration,
+    ) -> Result<Vec<Lease>> {
+        let keys: Vec<String> = group_ids.iter().map(|g| daemon_claim_key(g)).collect();
+        Ok(self.store.renew_leases(daemon, &keys, ttl)?)
+    }
+
     /// Every group's id and row version, oldest first: a version changes when
     /// the group's spec or its distributor's does.
     pub fn group_versions(&self) -> Result<Vec<(String, i64)>> {

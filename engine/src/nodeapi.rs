@@ -12,6 +12,9 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 pub mod auth;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the engine's client certificate for a group is used before a new
+/// one is issued (it is valid from a day before its issue to a day after).
+const ENGINE_CERT_REUSE: Duration = Duration::from_secs(3600);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
@@ -52,10 +55,69 @@ pub struct NodeClient {
     inner: NodeApiClient<Authed>,
 }
 
+/// What the engine shows a group's nodes and trusts them by: the group CA's
+/// certificate and an engine client certificate of that CA with its key.
+/// Deriving the CA and issuing a certificate cost more than a TLS handshake,
+/// so a caller that dials a group's nodes often (the daemon, at every sample)
+/// keeps one per group and issues it again once it is no longer
+/// [`EngineCredentials::fresh`]. `Debug` leaves the key out.
+pub struct EngineCredentials {
+    ca_pem: String,
+    cert_pem: String,
+    key_pem: String,
+    issued: std::time::Instant,
+}
+
+impl std::fmt::Debug for EngineCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineCredentials")
+            .field("key_pem", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineCredentials {
+    /// The group CA (derived from `group_secret`) and a new engine
+    /// certificate of it, with a fresh key.
+    pub fn issue(group_secret: &str) -> Result<EngineCredentials, String> {
+        let ca = auth::GroupCa::derive(group_secret)?;
+        let (cert_pem, key_pem) = ca.issue_engine()?;
+        Ok(EngineCredentials {
+            ca_pem: ca.cert_pem(),
+            cert_pem,
+            key_pem,
+            issued: std::time::Instant::now(),
+        })
+    }
+
+    /// Issued less than an hour ago: far within its validity (a day either
+    /// side of its issue).
+    pub fn fresh(&self) -> bool {
+        self.issued.elapsed() < ENGINE_CERT_REUSE
+    }
+}
+
 impl NodeClient {
     /// Dials `ip` (the private address that the cloud gave node `node_id`) for
     /// node `node_id` of the group whose secret is `group_secret`.
     pub async fn connect(
+        ip: &str,
+        port: u16,
+        node_id: &str,
+        group_secret: &str,
+    ) -> Result<NodeClient, NodeApiError> {
+        let creds =
+            EngineCredentials::issue(group_secret).map_err(|detail| NodeApiError::Unreachable {
+                addr: format!("{ip}:{port}"),
+                detail,
+            })?;
+        Self::connect_with(&creds, ip, port, node_id, group_secret).await
+    }
+
+    /// [`NodeClient::connect`] with the group's engine credentials as the
+    /// caller keeps them (`creds` must be those of `group_secret`'s group).
+    pub async fn connect_with(
+        creds: &EngineCredentials,
         ip: &str,
         port: u16,
         node_id: &str,
@@ -66,11 +128,9 @@ impl NodeClient {
             addr: addr.clone(),
             detail,
         };
-        let ca = auth::GroupCa::derive(group_secret).map_err(&unreachable)?;
-        let (cert, key) = ca.issue_engine().map_err(&unreachable)?;
         let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(ca.cert_pem()))
-            .identity(Identity::from_pem(cert, key))
+            .ca_certificate(Certificate::from_pem(&creds.ca_pem))
+            .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
             .domain_name(auth::node_name(node_id));
         let channel = Channel::from_shared(format!("https://{addr}"))
             .map_err(|e| unreachable(e.to_string()))?

@@ -42,8 +42,21 @@ pub(crate) fn statements_sent() -> u64 {
     STATEMENTS.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    /// Statements sent from this thread (a store call sends its statements
+    /// from the caller's thread), for tests that count what one call costs
+    /// while other tests run in the same process.
+    static SENT_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Statements sent from the calling thread so far.
+pub(crate) fn statements_sent_here() -> u64 {
+    SENT_HERE.with(|c| c.get())
+}
+
 fn count_statement() {
     STATEMENTS.fetch_add(1, Ordering::Relaxed);
+    SENT_HERE.with(|c| c.set(c.get() + 1));
 }
 
 /// A parameter or a column value.

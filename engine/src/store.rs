@@ -114,6 +114,9 @@ const MIGRATIONS: &[&str] = &[
     "#,
 ];
 
+/// Leases renewed by one statement of [`Store::renew_leases`].
+pub const RENEW_BATCH: usize = 256;
+
 /// How long a call waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -414,6 +417,20 @@ pub struct PolicyStateRow {
     pub updated_at: i64,
 }
 
+/// A group as one evaluation of the daemon reads it ([`Store::group_record`]).
+#[derive(Debug, Clone)]
+pub struct GroupRecord {
+    pub row: Row<GroupSpec>,
+    pub version: i64,
+    /// Its destroy began (see migration 6 -> 7).
+    pub deleting: bool,
+    pub config_version: u64,
+    /// Its distributor's spec (None: the distributor is gone).
+    pub distributor: Option<DistributorSpec>,
+    /// Who holds the group's own lease now, if anyone.
+    pub lease_holder: Option<String>,
+}
+
 /// A held lease: act on the group only while it is valid, and pass `fence` with
 /// every side effect so that a stale holder can be told apart.
 #[derive(Debug, Clone, PartialEq)]
@@ -611,6 +628,13 @@ impl Store {
     /// report it per interval.
     pub fn statements_sent() -> u64 {
         crate::sqldb::statements_sent()
+    }
+
+    /// Statements sent from the calling thread so far, by every store of the
+    /// process: a test counts what a store call costs, its difference across
+    /// the call, while other tests run on other threads.
+    pub fn statements_sent_here() -> u64 {
+        crate::sqldb::statements_sent_here()
     }
 
     /// Whether the store answers a trivial query within `deadline` (waiting
@@ -917,6 +941,29 @@ impl Store {
             decode("distributor runtime", &s.text(0)?)
         })
     }
+    /// The distributor with what its driver last confirmed it serves (see
+    /// [`Store::served_publication`]), in one statement.
+    pub fn distributor_and_served(
+        &self,
+        id: &str,
+    ) -> Result<Option<(Row<DistributorSpec>, Option<String>)>> {
+        let row = self.with(|c| {
+            c.one(
+                "SELECT id, spec, served FROM distributors WHERE id = ?1",
+                vals![id],
+            )
+        })?;
+        row.map(|r| {
+            Ok((
+                Row {
+                    id: r.text(0)?,
+                    spec: decode("traffic distributor", &r.text(1)?)?,
+                },
+                r.opt_text(2)?,
+            ))
+        })
+        .transpose()
+    }
     /// What the distributor's driver last confirmed it serves (see
     /// `reconcile::distributors`); `None` when nothing was confirmed yet.
     pub fn served_publication(&self, id: &str) -> Result<Option<String>> {
@@ -1089,6 +1136,40 @@ impl Store {
                 },
                 r.int(2)?,
             ))
+        })
+        .transpose()
+    }
+    /// What the daemon reads of a group at each evaluation, in one statement:
+    /// its row (spec, version, whether its destroy began, its configuration
+    /// version), its distributor's spec, and who holds the group's own lease
+    /// now (unexpired by the database's clock).
+    pub fn group_record(&self, id: &str) -> Result<Option<GroupRecord>> {
+        let row = self.with(|c| {
+            c.one(
+                &format!(
+                    "SELECT g.id, g.spec, g.version, g.deleting, g.config_version, d.spec,
+                       (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS})
+                     FROM groups g LEFT JOIN distributors d ON d.id = g.distributor_id
+                     WHERE g.id = ?1"
+                ),
+                vals![id],
+            )
+        })?;
+        row.map(|r| {
+            Ok(GroupRecord {
+                row: Row {
+                    id: r.text(0)?,
+                    spec: decode("autoscale group", &r.text(1)?)?,
+                },
+                version: r.int(2)?,
+                deleting: r.int(3)? != 0,
+                config_version: r.int(4)?.max(0) as u64,
+                distributor: r
+                    .opt_text(5)?
+                    .map(|s| decode("traffic distributor", &s))
+                    .transpose()?,
+                lease_holder: r.opt_text(6)?,
+            })
         })
         .transpose()
     }
@@ -1861,6 +1942,43 @@ impl Store {
                 ),
             }),
         }
+    }
+
+    /// Extends every lease of `keys` that `holder` still holds unexpired to
+    /// `ttl` from now, [`RENEW_BATCH`] keys per statement (a daemon renews all
+    /// its claims in a few statements, not one per group); returns the leases
+    /// renewed. A key missing from the answer is lost (taken over, released,
+    /// expired or deleted): the caller must stop acting under it. On the
+    /// connections kept for leases.
+    pub fn renew_leases(&self, holder: &str, keys: &[String], ttl: Duration) -> Result<Vec<Lease>> {
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| {
+            let list: Vec<String> = (3..RENEW_BATCH + 3).map(|i| format!("?{i}")).collect();
+            format!(
+                "UPDATE leases SET expires_ms = {NOW_MS} + ?2
+                 WHERE holder = ?1 AND expires_ms > {NOW_MS} AND group_id IN ({})
+                 RETURNING group_id, fence, expires_ms",
+                list.join(", ")
+            )
+        });
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(RENEW_BATCH) {
+            // Always RENEW_BATCH parameters (NULL matches no key): one
+            // statement text, prepared once per connection.
+            let mut params = vec![Value::from(holder), Value::Int(ttl.as_millis() as i64)];
+            params.extend(chunk.iter().map(Value::from));
+            params.resize(RENEW_BATCH + 2, Value::Null);
+            let rows = self.with_leases(|c| c.query(sql, &params))?;
+            for r in rows {
+                out.push(Lease {
+                    group_id: r.text(0)?,
+                    holder: holder.to_string(),
+                    fence: r.int(1)?,
+                    expires_ms: r.int(2)?,
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Whether `lease` is the key's current, unexpired lease (by the database's

@@ -7,7 +7,9 @@
 
 use lbscale_core::policy::{AzState, Phase};
 use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, GroupSpec};
-use lbscale_engine::store::{az_lease_key, daemon_claim_key, Store, StoreError, SCHEMA_VERSION};
+use lbscale_engine::store::{
+    az_lease_key, daemon_claim_key, Store, StoreError, RENEW_BATCH, SCHEMA_VERSION,
+};
 use lbscale_engine::store_test;
 use std::time::Duration;
 
@@ -410,3 +412,94 @@ store_test!(a_configuration_fence_rises_under_a_live_lease_only, |ts| {
     let f4 = s.next_config_fence("g1", &lease).unwrap();
     assert!(f4 > f3, "after the fences went back: {f4}, not above {f3}");
 });
+
+store_test!(
+    a_daemon_renews_all_its_claims_in_one_statement_per_batch,
+    |ts| {
+        let s = ts.open();
+        let n = RENEW_BATCH + 44;
+        let mut keys = Vec::new();
+        for i in 0..n {
+            let id = format!("g{i}");
+            group(&s, &id);
+            s.acquire_lease(&daemon_claim_key(&id), "daemon-a", Duration::from_secs(30))
+                .unwrap();
+            keys.push(daemon_claim_key(&id));
+        }
+        // One claim another daemon took over, one released, one expired: not
+        // this daemon's any more, so not renewed.
+        s.release_lease_of(&keys[0], "daemon-a").unwrap();
+        s.acquire_lease(&keys[0], "daemon-b", Duration::from_secs(30))
+            .unwrap();
+        s.release_lease_of(&keys[1], "daemon-a").unwrap();
+        s.acquire_lease(&keys[2], "daemon-a", Duration::from_millis(1))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+
+        let before = Store::statements_sent_here();
+        let renewed = s
+            .renew_leases("daemon-a", &keys, Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(
+            Store::statements_sent_here() - before,
+            2,
+            "{n} claims: two statements of at most {RENEW_BATCH}"
+        );
+        let mut got: Vec<&str> = renewed.iter().map(|l| l.group_id.as_str()).collect();
+        got.sort_unstable();
+        let mut want: Vec<&str> = keys[3..].iter().map(String::as_str).collect();
+        want.sort_unstable();
+        assert_eq!(got, want);
+        // Renewed for the new TTL, under the same fence.
+        let l = renewed.iter().find(|l| l.group_id == keys[3]).unwrap();
+        s.check_lease(l).unwrap();
+        assert!(matches!(
+            s.acquire_lease(&keys[3], "daemon-b", Duration::from_secs(1)),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        // daemon-b's claim is untouched.
+        assert_eq!(
+            s.lease_holder(&keys[0]).unwrap().as_deref(),
+            Some("daemon-b")
+        );
+    }
+);
+
+store_test!(
+    a_group_record_is_one_statement_with_its_lease_holder_and_distributor,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        let before = Store::statements_sent_here();
+        let r = s.group_record("g1").unwrap().unwrap();
+        assert_eq!(Store::statements_sent_here() - before, 1);
+        assert_eq!(r.row.spec.name, "g1-name");
+        assert!(!r.deleting && r.lease_holder.is_none() && r.distributor.is_none());
+        assert_eq!(r.config_version, s.config_version("g1").unwrap());
+
+        let d = lbscale_engine::model::DistributorSpec {
+            name: "td-1".into(),
+            cloud: CloudName::Local,
+            mode: DistributorMode::Dns,
+            domain: Some("td-1.lbscale.test".into()),
+            ttl: DeclaredDuration::parse("1s").unwrap(),
+        };
+        s.insert_distributor("td-1", &d).unwrap();
+        let apply = s
+            .acquire_lease("g1", "provider-1", Duration::from_secs(30))
+            .unwrap();
+        s.mark_group_deleting("g1").unwrap();
+        let r = s.group_record("g1").unwrap().unwrap();
+        assert!(r.deleting);
+        assert_eq!(r.lease_holder.as_deref(), Some("provider-1"));
+        assert_eq!(r.distributor.map(|d| d.mode), Some(DistributorMode::Dns));
+        s.release_lease(&apply).unwrap();
+        assert!(s
+            .group_record("g1")
+            .unwrap()
+            .unwrap()
+            .lease_holder
+            .is_none());
+        assert!(s.group_record("nope").unwrap().is_none());
+    }
+);

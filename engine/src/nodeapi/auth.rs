@@ -7,7 +7,9 @@
 //! - per node, at provision time: its token (an HMAC of the node id under the
 //!   secret; the node is given only the token's SHA-256) and a server
 //!   certificate for [`node_name`] with a fresh key;
-//! - per connection: the engine's own client certificate, with a fresh key.
+//! - for the engine: its own client certificate, with a fresh key, issued per
+//!   connection or kept for an hour per group by a caller that dials often
+//!   (`nodeapi::EngineCredentials`).
 //!
 //! The certificates' extended key usages keep the two ends apart: a node's
 //! certificate serves only (a node cannot pose as the engine to another node),
@@ -132,7 +134,8 @@ impl GroupCa {
         self.issue(params, "the node's certificate")
     }
 
-    /// The engine's client certificate and key (PEM), made for one connection.
+    /// The engine's client certificate and key (PEM), for one connection or
+    /// one group's connections for an hour.
     /// Valid from a day before to a day after now, so that a node whose clock
     /// is somewhat off still accepts it.
     pub fn issue_engine(&self) -> Result<(String, String), String> {

@@ -11,7 +11,7 @@
 use super::leases::KeptLease;
 use super::{new_id, Engine, EngineError, Result};
 use crate::cloud::{Distributor, Publication};
-use crate::model::{CloudName, DistributorMode, DistributorSpec, GroupSpec};
+use crate::model::{CloudName, DistributorMode, DistributorSpec, GroupSpec, VserverSpec};
 use crate::store::{distributor_lease_key, NodeRow, Row};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -118,7 +118,12 @@ impl Engine {
     /// What the distributor's driver last confirmed it hands out; `None` before
     /// its first confirmed publication.
     fn served(&self, distributor_id: &str) -> Result<Option<Served>> {
-        let Some(json) = self.store.served_publication(distributor_id)? else {
+        Self::served_from(self.store.served_publication(distributor_id)?)
+    }
+
+    /// [`Engine::served`] from the stored text.
+    fn served_from(json: Option<String>) -> Result<Option<Served>> {
+        let Some(json) = json else {
             return Ok(None);
         };
         serde_json::from_str(&json)
@@ -134,14 +139,15 @@ impl Engine {
     /// returns whether it did. The daemon calls it for every distributor, so a
     /// failed publication is retried until it is served.
     pub async fn settle_publication(&self, distributor_id: &str) -> Result<bool> {
-        let Some(row) = self.store.distributor(distributor_id)? else {
+        let Some((row, served)) = self.store.distributor_and_served(distributor_id)? else {
             return Ok(false);
         };
+        let publication = self.publication_of(&row)?;
         let wanted = Served {
             spec: row.spec,
-            publication: self.publication(distributor_id)?,
+            publication,
         };
-        if self.served(distributor_id)?.as_ref() == Some(&wanted) {
+        if Self::served_from(served)?.as_ref() == Some(&wanted) {
             return Ok(false);
         }
         self.publish(distributor_id).await?;
@@ -150,19 +156,16 @@ impl Engine {
 
     /// What the distributor must hand out now: every registered node of every group
     /// that uses it, and the ports of the vservers placed on those groups.
-    fn publication(&self, distributor_id: &str) -> Result<Publication> {
+    fn publication_of(&self, row: &Row<DistributorSpec>) -> Result<Publication> {
         let mut p = Publication::default();
         // Clients resolve a `dns` distributor's name to the nodes' public
         // addresses (where the cloud gives them one); an `nlb` reaches them on
         // their private ones.
-        let dns = self
-            .store
-            .distributor(distributor_id)?
-            .is_some_and(|d| d.spec.mode == DistributorMode::Dns);
-        for g in self.store.groups_of_distributor(distributor_id)? {
-            let mut ports: Vec<u16> = self
-                .store
-                .vservers_of_group(&g.id)?
+        let dns = row.spec.mode == DistributorMode::Dns;
+        let nlb = row.spec.mode == DistributorMode::Nlb;
+        for g in self.store.groups_of_distributor(&row.id)? {
+            let vservers = self.store.vservers_of_group(&g.id)?;
+            let mut ports: Vec<u16> = vservers
                 .iter()
                 .filter(|v| v.spec.service_type != "UDP")
                 .map(|v| v.spec.port as u16)
@@ -193,7 +196,9 @@ impl Engine {
                         _ => n.private_ip.clone(),
                     });
             }
-            self.add_port_targets(&mut p, &g, &registered)?;
+            if nlb {
+                self.add_port_targets(&mut p, &g, &registered, vservers)?;
+            }
         }
         Ok(p)
     }
@@ -205,15 +210,14 @@ impl Engine {
         p: &mut Publication,
         g: &Row<GroupSpec>,
         registered: &[&NodeRow],
+        vservers: Vec<Row<VserverSpec>>,
     ) -> Result<()> {
-        let ports_of: BTreeMap<String, u16> = self
-            .store
-            .vservers_of_group(&g.id)?
+        let ports_of: BTreeMap<String, u16> = vservers
             .into_iter()
             .filter(|v| v.spec.service_type != "UDP")
             .map(|v| (v.spec.name, v.spec.port as u16))
             .collect();
-        for ((vserver, az), placed) in self.placements(g, registered)? {
+        for ((vserver, az), placed) in self.placements_behind_nlb(g, registered)? {
             let Some(port) = ports_of.get(&vserver) else {
                 continue;
             };
@@ -270,13 +274,13 @@ impl Engine {
         let Some(row) = self.store.distributor(distributor_id)? else {
             return Ok(());
         };
-        let publication = self.publication(distributor_id)?;
+        let publication = self.publication_of(&row)?;
         turn.check()?;
         self.distributor_driver(row.spec.cloud)?
             .publish_fenced(distributor_id, &row.spec, &publication, turn.lease().fence)
             .await
             .map_err(|e| EngineError::Step {
-                step: "register addresses with the distributor",
+                step: super::PUBLISH_STEP,
                 detail: e.to_string(),
             })?;
         // Only now, confirmed by the driver, is it what the distributor serves.

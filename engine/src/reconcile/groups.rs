@@ -207,8 +207,18 @@ impl Engine {
         let Some(row) = self.store.group(id)? else {
             return Ok(None);
         };
-        let cloud = self.cloud(row.spec.cloud)?;
         let rows = self.store.nodes_of_group(id)?;
+        self.view_of(row, rows).await.map(Some)
+    }
+
+    /// The view of group `row` whose stored nodes are `rows`: the state each
+    /// node is observed in (its driver says whether its process still runs).
+    pub(crate) async fn view_of(
+        &self,
+        row: Row<GroupSpec>,
+        rows: Vec<NodeRow>,
+    ) -> Result<GroupView> {
+        let cloud = self.cloud(row.spec.cloud)?;
         let alive = cloud
             .alive(&rows)
             .await
@@ -231,11 +241,11 @@ impl Engine {
                 }
             });
         }
-        Ok(Some(GroupView {
+        Ok(GroupView {
             id: row.id,
             spec: row.spec,
             nodes,
-        }))
+        })
     }
 
     pub(crate) fn ttl_of(&self, spec: &GroupSpec) -> Result<Duration> {

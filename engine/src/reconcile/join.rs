@@ -6,7 +6,7 @@ use super::leases::KeptLease;
 use super::{Engine, EngineError, Result};
 use crate::cloud::Cloud;
 use crate::fault::fault_point;
-use crate::model::GroupSpec;
+use crate::model::{GroupSpec, VserverSpec};
 use crate::nodeapi::NodeClient;
 use crate::placement;
 use crate::store::{NodeRow, NodeState, Row};
@@ -261,115 +261,21 @@ impl Engine {
         n: &NodeRow,
         leaving: &[String],
     ) -> Result<lbscale_proto::NodeConfig> {
-        use lbscale_proto::{Scaleout, ScaleoutPeer, ScaleoutRole};
         let nodes = self.store.nodes_of_group(&group.id)?;
         let staying: Vec<&NodeRow> = nodes
             .iter()
             .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
             .collect();
         let placements = self.placements(group, &staying)?;
-        let mut config = base.clone();
-        if !placements.is_empty() {
-            // Behind an nlb nodes forward to each other (a primary to its
-            // secondaries) with a PROXY header naming the client.
-            config.group_peers = staying
-                .iter()
-                .filter(|m| m.id != n.id)
-                .map(|m| m.private_ip.clone())
-                .collect();
-        }
-        for v in &mut config.vservers {
-            let Some(p) = placements.get(&(v.name.clone(), n.az.clone())) else {
-                continue;
-            };
-            let role = p.roles.iter().find(|(a, _)| *a == n.private_ip);
-            v.scaleout = role.map(|(_, role)| match role {
-                placement::Role::Primary {
-                    own_share,
-                    secondaries,
-                } => Scaleout {
-                    role: ScaleoutRole::Primary as i32,
-                    primary_share: *own_share,
-                    secondaries: secondaries
-                        .iter()
-                        .map(|(address, share)| ScaleoutPeer {
-                            address: address.clone(),
-                            share: *share,
-                        })
-                        .collect(),
-                    scalein_timeout_ms: p.scalein_timeout_ms,
-                },
-                placement::Role::Secondary => Scaleout {
-                    role: ScaleoutRole::Secondary as i32,
-                    scalein_timeout_ms: p.scalein_timeout_ms,
-                    ..Default::default()
-                },
-            });
-        }
-        Ok(config)
+        Ok(placed_config(base, n, &staying, &placements))
     }
 
     /// The full configuration the group's nodes run: every vserver placed on it.
     fn node_config(&self, group_id: &str, version: u64) -> Result<lbscale_proto::NodeConfig> {
-        use lbscale_proto::{LbMethod, Service, ServiceType, Vserver};
-        let vservers = self
-            .store
-            .vservers_of_group(group_id)?
-            .into_iter()
-            .map(|v| {
-                let s = v.spec;
-                Vserver {
-                    name: s.name,
-                    service_type: match s.service_type.as_str() {
-                        "HTTP" => ServiceType::Http,
-                        "TCP" => ServiceType::Tcp,
-                        _ => ServiceType::Udp,
-                    } as i32,
-                    port: s.port as u32,
-                    lb_method: LbMethod::from_str_name(&s.lb_method)
-                        .unwrap_or(LbMethod::Leastconnection) as i32,
-                    persistence: s.persistence,
-                    // The node ramps new services itself (first bound there, or back
-                    // UP) with lbscale-core's model; the engine only says how.
-                    slow_start: s.slow_start.as_ref().map(|ss| lbscale_proto::SlowStart {
-                        new_service_request: ss.new_service_request.max(0) as u32,
-                        unit: if ss.unit == "PERCENT" {
-                            lbscale_proto::SlowStartUnit::Percent
-                        } else {
-                            lbscale_proto::SlowStartUnit::PerSecond
-                        } as i32,
-                        increment_interval_s: ss.increment_interval.max(0) as u32,
-                    }),
-                    scaleout: None,
-                    ramp_peers: vec![],
-                    max_connections: s.max_connections.clamp(0, u32::MAX as i64) as u32,
-                    // Checked at plan time; a bad stored value is the passive check.
-                    udp_health_request: crate::model::udp_health_request_bytes(
-                        &s.udp_health_request,
-                    )
-                    .unwrap_or_default(),
-                    services: s
-                        .services
-                        .into_iter()
-                        .map(|svc| Service {
-                            name: svc.name,
-                            address: svc.address,
-                            port: svc.port as u32,
-                            weight: svc.weight as u32,
-                            enabled: svc.enabled,
-                            cap_per_second: None,
-                            custom_load: None,
-                        })
-                        .collect(),
-                }
-            })
-            .collect();
-        Ok(lbscale_proto::NodeConfig {
+        Ok(node_config_of(
+            self.store.vservers_of_group(group_id)?,
             version,
-            vservers,
-            group_peers: Vec::new(),
-            fence: 0,
-        })
+        ))
     }
 
     /// Active nodes of the group whose last pushed configuration is not the one
@@ -379,18 +285,39 @@ impl Engine {
         let Some(group) = self.store.group(group_id)? else {
             return Ok(Vec::new());
         };
-        let base = self.node_config(group_id, self.store.config_version(group_id)?)?;
-        let mut stale = Vec::new();
-        for n in self.store.nodes_of_group(group_id)? {
-            if n.state != NodeState::Active {
-                continue;
-            }
-            let want = config_fingerprint(&self.config_for_node(&group, &base, &n, &[])?);
-            if n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str()) {
-                stale.push(n.id);
-            }
-        }
-        Ok(stale)
+        let version = self.store.config_version(group_id)?;
+        let nlb = self.behind_nlb(&group.spec)?;
+        let nodes = self.store.nodes_of_group(group_id)?;
+        self.stale_among(&group, version, nlb, &nodes)
+    }
+
+    /// [`Engine::stale_configurations`] of `group` whose configuration version
+    /// is `version` and stored nodes `nodes`, behind an `nlb` or not (what the
+    /// caller read already): reads only the vservers (and, behind an `nlb`,
+    /// their placements), once for all the nodes.
+    pub(crate) fn stale_among(
+        &self,
+        group: &Row<GroupSpec>,
+        version: u64,
+        nlb: bool,
+        nodes: &[NodeRow],
+    ) -> Result<Vec<String>> {
+        let base = node_config_of(self.store.vservers_of_group(&group.id)?, version);
+        let staying: Vec<&NodeRow> = nodes.iter().filter(|m| m.state.is_member()).collect();
+        let placements = if nlb {
+            self.placements_behind_nlb(group, &staying)?
+        } else {
+            Default::default()
+        };
+        Ok(nodes
+            .iter()
+            .filter(|n| n.state == NodeState::Active)
+            .filter(|n| {
+                let want = config_fingerprint(&placed_config(&base, n, &staying, &placements));
+                n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str())
+            })
+            .map(|n| n.id.clone())
+            .collect())
     }
 
     /// Restarts every node of the group, one at a time and surge first: a new
@@ -499,4 +426,114 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
             (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
         });
     format!("{h:016x}")
+}
+
+/// What node `n` runs: `base` (every vserver of the group) with its scale-out
+/// role in each, as `placements` (over the members that stay, `staying`) place it.
+fn placed_config(
+    base: &lbscale_proto::NodeConfig,
+    n: &NodeRow,
+    staying: &[&NodeRow],
+    placements: &std::collections::BTreeMap<(String, String), placement::AzPlacement>,
+) -> lbscale_proto::NodeConfig {
+    use lbscale_proto::{Scaleout, ScaleoutPeer, ScaleoutRole};
+    let mut config = base.clone();
+
+    if !placements.is_empty() {
+        // Behind an nlb nodes forward to each other (a primary to its
+        // secondaries) with a PROXY header naming the client.
+        config.group_peers = staying
+            .iter()
+            .filter(|m| m.id != n.id)
+            .map(|m| m.private_ip.clone())
+            .collect();
+    }
+    for v in &mut config.vservers {
+        let Some(p) = placements.get(&(v.name.clone(), n.az.clone())) else {
+            continue;
+        };
+        let role = p.roles.iter().find(|(a, _)| *a == n.private_ip);
+        v.scaleout = role.map(|(_, role)| match role {
+            placement::Role::Primary {
+                own_share,
+                secondaries,
+            } => Scaleout {
+                role: ScaleoutRole::Primary as i32,
+                primary_share: *own_share,
+                secondaries: secondaries
+                    .iter()
+                    .map(|(address, share)| ScaleoutPeer {
+                        address: address.clone(),
+                        share: *share,
+                    })
+                    .collect(),
+                scalein_timeout_ms: p.scalein_timeout_ms,
+            },
+            placement::Role::Secondary => Scaleout {
+                role: ScaleoutRole::Secondary as i32,
+                scalein_timeout_ms: p.scalein_timeout_ms,
+                ..Default::default()
+            },
+        });
+    }
+    config
+}
+
+/// The full configuration the group's nodes run: `vservers`, every vserver placed on it.
+fn node_config_of(vservers: Vec<Row<VserverSpec>>, version: u64) -> lbscale_proto::NodeConfig {
+    use lbscale_proto::{LbMethod, Service, ServiceType, Vserver};
+    let vservers = vservers
+        .into_iter()
+        .map(|v| {
+            let s = v.spec;
+            Vserver {
+                name: s.name,
+                service_type: match s.service_type.as_str() {
+                    "HTTP" => ServiceType::Http,
+                    "TCP" => ServiceType::Tcp,
+                    _ => ServiceType::Udp,
+                } as i32,
+                port: s.port as u32,
+                lb_method: LbMethod::from_str_name(&s.lb_method)
+                    .unwrap_or(LbMethod::Leastconnection) as i32,
+                persistence: s.persistence,
+                // The node ramps new services itself (first bound there, or back
+                // UP) with lbscale-core's model; the engine only says how.
+                slow_start: s.slow_start.as_ref().map(|ss| lbscale_proto::SlowStart {
+                    new_service_request: ss.new_service_request.max(0) as u32,
+                    unit: if ss.unit == "PERCENT" {
+                        lbscale_proto::SlowStartUnit::Percent
+                    } else {
+                        lbscale_proto::SlowStartUnit::PerSecond
+                    } as i32,
+                    increment_interval_s: ss.increment_interval.max(0) as u32,
+                }),
+                scaleout: None,
+                ramp_peers: vec![],
+                max_connections: s.max_connections.clamp(0, u32::MAX as i64) as u32,
+                // Checked at plan time; a bad stored value is the passive check.
+                udp_health_request: crate::model::udp_health_request_bytes(&s.udp_health_request)
+                    .unwrap_or_default(),
+                services: s
+                    .services
+                    .into_iter()
+                    .map(|svc| Service {
+                        name: svc.name,
+                        address: svc.address,
+                        port: svc.port as u32,
+                        weight: svc.weight as u32,
+                        enabled: svc.enabled,
+                        cap_per_second: None,
+                        custom_load: None,
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    lbscale_proto::NodeConfig {
+        version,
+        vservers,
+        group_peers: Vec::new(),
+        fence: 0,
+    }
 }

@@ -32,10 +32,19 @@ impl Engine {
         group: &Row<GroupSpec>,
         nodes: &[&NodeRow],
     ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
-        let mut out = BTreeMap::new();
         if !self.behind_nlb(&group.spec)? {
-            return Ok(out);
+            return Ok(BTreeMap::new());
         }
+        self.placements_behind_nlb(group, nodes)
+    }
+
+    /// [`Engine::placements`] of a group known to be behind an `nlb`.
+    pub(super) fn placements_behind_nlb(
+        &self,
+        group: &Row<GroupSpec>,
+        nodes: &[&NodeRow],
+    ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
+        let mut out = BTreeMap::new();
         let se_groups: BTreeMap<String, SeGroupSpec> = self
             .store
             .se_groups_of_group(&group.id)?
@@ -67,7 +76,7 @@ impl Engine {
 
     /// Whether the group's distributor is an `nlb`: only behind one does a
     /// vserver have a span, a primary and secondaries.
-    fn behind_nlb(&self, group: &GroupSpec) -> Result<bool> {
+    pub(super) fn behind_nlb(&self, group: &GroupSpec) -> Result<bool> {
         Ok(self
             .store
             .distributor(&group.traffic_distributor_id)?
@@ -89,18 +98,29 @@ impl Engine {
     /// the nodes that hold it (what `Engine::placements` places over). Empty
     /// behind `dns`: clients reach every node, there is no span to size.
     pub fn vserver_spans(&self, group_id: &str) -> Result<Vec<SpanView>> {
-        let mut out = Vec::new();
         let Some(group) = self.store.group(group_id)? else {
-            return Ok(out);
+            return Ok(Vec::new());
         };
         if !self.behind_nlb(&group.spec)? {
-            return Ok(out);
+            return Ok(Vec::new());
         }
-        let mut members: Vec<NodeRow> = self
-            .store
-            .nodes_of_group(group_id)?
-            .into_iter()
+        let nodes = self.store.nodes_of_group(group_id)?;
+        self.spans_behind_nlb(&group, &nodes)
+    }
+
+    /// [`Engine::vserver_spans`] of a group behind an `nlb` whose stored nodes
+    /// are `nodes`.
+    pub(crate) fn spans_behind_nlb(
+        &self,
+        group: &Row<GroupSpec>,
+        nodes: &[NodeRow],
+    ) -> Result<Vec<SpanView>> {
+        let group_id = group.id.as_str();
+        let mut out = Vec::new();
+        let mut members: Vec<NodeRow> = nodes
+            .iter()
             .filter(|n| n.state.is_member())
+            .cloned()
             .collect();
         members.sort_by_key(|n| n.seq);
         for se in self.store.se_groups_of_group(group_id)? {
