@@ -280,7 +280,7 @@ impl Engine {
             .publish_fenced(distributor_id, &row.spec, &publication, turn.lease().fence)
             .await
             .map_err(|e| EngineError::Step {
-                step: super::PUBLISH_STEP,
+                step: "register addresses with the distributor",
                 detail: e.to_string(),
             })?;
         // Only now, confirmed by the driver, is it what the distributor serves.
