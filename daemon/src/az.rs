@@ -11,8 +11,7 @@ use lbscale_core::policy::{
     self, Action, AzState, Decision, EventKind, Metric, Observation, Phase, PolicyConfig,
     ProvisionOutcome, Sample,
 };
-use lbscale_engine::reconcile::KeptLease;
-use lbscale_engine::store::now_ms;
+use lbscale_engine::store::{now_ms, Lease};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -64,7 +63,7 @@ pub(crate) struct AzCtx<'a> {
     pub cfg: &'a PolicyConfig,
     /// The daemon's claim on the group: it fences the policy state's writes,
     /// and a workflow keeps it renewed for as long as it runs.
-    pub claim: &'a KeptLease,
+    pub claim: &'a Lease,
     pub claim_ttl: Duration,
 }
 
@@ -203,7 +202,7 @@ impl AzRuntime {
             cx.name.to_string(),
             cx.az.to_string(),
         );
-        let claim = cx.shared.engine.keep_claim(cx.claim.lease(), cx.claim_ttl);
+        let claim = cx.shared.engine.keep_claim(cx.claim, cx.claim_ttl);
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let r = match kind {
@@ -302,18 +301,41 @@ impl AzRuntime {
     }
 
     /// Writes the AZ's policy state under the daemon's claim on the group, if
-    /// it changed since the last write.
+    /// it changed since the last write in a way that a resume would see
+    /// (see [`same_on_resume`]).
     fn persist(&mut self, cx: &AzCtx<'_>) -> Result<(), EvalError> {
-        if self.persisted == Some(self.state) {
+        if self
+            .persisted
+            .is_some_and(|p| same_on_resume(&p, &self.state))
+        {
             return Ok(());
         }
         cx.shared
             .engine
-            .put_policy_state(cx.claim.lease(), cx.group_id, cx.az, &self.state)
+            .put_policy_state(cx.claim, cx.group_id, cx.az, &self.state)
             .map_err(|e| EvalError::new("persist the policy state", e))?;
         self.persisted = Some(self.state);
         Ok(())
     }
+}
+
+/// Whether a daemon that resumes the AZ from `persisted` does what it would
+/// do from `now` (see `resume::restore_az_state`): the same state, or both
+/// idle with no streak under way, only the instant of the last evaluation
+/// (`Evaluating.after`) moved on. A resumed AZ evaluates at its first tick
+/// after either instant, and no streak can be lost or reset, so an idle AZ
+/// writes nothing at each evaluation: a steady group costs no write.
+fn same_on_resume(persisted: &AzState, now: &AzState) -> bool {
+    let idle = |s: &AzState| {
+        matches!(s.phase, Phase::Evaluating { after: Some(_) })
+            && s.out_streak == [0; 3]
+            && s.in_streak == 0
+    };
+    persisted == now
+        || (idle(persisted)
+            && idle(now)
+            && persisted.serving == now.serving
+            && persisted.provisioned == now.provisioned)
 }
 
 fn observation(sample: Option<&SampleOut>, outcome: Option<Outcome>) -> Observation {
@@ -353,5 +375,60 @@ fn record_core_events(cx: &AzCtx<'_>, events: &[policy::Event]) {
         cx.shared
             .engine
             .record_event(cx.group_id, Some(cx.az), kind, &e.reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle(after: u64) -> AzState {
+        let mut s = AzState::new(2);
+        s.phase = Phase::Evaluating { after: Some(after) };
+        s
+    }
+
+    #[test]
+    fn an_idle_az_whose_last_evaluation_moved_on_is_not_written_again() {
+        assert!(same_on_resume(&idle(1_000), &idle(61_000)));
+        // A streak under way, a count, a phase: written.
+        let mut breaching = idle(61_000);
+        breaching.out_streak = [1, 0, 0];
+        assert!(!same_on_resume(&idle(1_000), &breaching));
+        assert!(!same_on_resume(&breaching, &idle(61_000)));
+        let mut three = idle(61_000);
+        three.serving = 3;
+        assert!(!same_on_resume(&idle(1_000), &three));
+        let mut cooling = idle(0);
+        cooling.phase = Phase::Cooldown { until: 90_000 };
+        assert!(!same_on_resume(&idle(1_000), &cooling));
+        // The first evaluation (no instant yet) is written.
+        assert!(!same_on_resume(&AzState::new(2), &idle(1_000)));
+    }
+
+    #[test]
+    fn a_daemon_resuming_either_state_does_the_same() {
+        // What the skipped write would have changed: restore_az_state gives the
+        // same phase and streaks from both, and the AZ evaluates at the same
+        // next tick.
+        let cfg = PolicyConfig {
+            min_nodes: 1,
+            max_nodes: 3,
+            stats_interval: 60_000,
+            watch_samples: 2,
+            cooldown: 20_000,
+            drain_timeout: 2_000,
+            distributor: lbscale_core::policy::Distributor::Dns,
+            dns_ttl: 1_000,
+            thresholds: lbscale_core::policy::Thresholds::default(),
+        };
+        let now = 200_000;
+        let a = crate::resume::restore_az_state(&cfg, &idle(1_000), 1_000, now, 2, 2);
+        let b = crate::resume::restore_az_state(&cfg, &idle(61_000), 61_000, now, 2, 2);
+        assert_eq!((a.out_streak, a.in_streak), (b.out_streak, b.in_streak));
+        let obs = Observation::default();
+        let (na, _) = policy::step(&cfg, &a, &obs, now as u64);
+        let (nb, _) = policy::step(&cfg, &b, &obs, now as u64);
+        assert_eq!(na, nb);
     }
 }

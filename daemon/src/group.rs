@@ -5,6 +5,7 @@
 //! workflow as a task ([`crate::az`]); the evaluation itself never waits for one.
 
 use crate::az::{AzCtx, AzRuntime, AzSeen, WorkflowKind};
+use crate::claims::claim_ttl;
 use crate::metrics::{ResumeWait, VserverSpan};
 use crate::resume::{restore_az_state, ResumeBackoff};
 use crate::sample::{self, CachedClient, Sampled};
@@ -14,10 +15,11 @@ use crate::Shared;
 use lbscale_core::duration::format_as_seconds;
 use lbscale_core::policy::{AzState, Phase, PolicyConfig};
 use lbscale_core::seplan::SpanStreak;
-use lbscale_engine::daemon_api::Turn;
+use lbscale_engine::daemon_api::{Claim, GroupSnapshot};
 use lbscale_engine::model::GroupSpec;
-use lbscale_engine::reconcile::{GroupView, KeptLease, SpanView};
-use lbscale_engine::store::{now_ms, NodeRow, NodeState, PolicyStateRow, Row, StoreError};
+use lbscale_engine::nodeapi::EngineCredentials;
+use lbscale_engine::reconcile::{GroupView, SpanView};
+use lbscale_engine::store::{now_ms, Lease, NodeState, PolicyStateRow, Row, StoreError};
 use lbscale_engine::EngineError;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -77,6 +79,9 @@ pub struct GroupRuntime {
     clients: HashMap<String, CachedClient>,
     /// The group's node API token (it never changes).
     token: Option<String>,
+    /// The CA and client certificate its nodes are dialled with, issued once
+    /// an hour rather than per connection.
+    credentials: Option<Arc<EngineCredentials>>,
     /// The group's policy as of a row version (which a change of the group or
     /// of its distributor raises): read again only when the version changes.
     policy: Option<(i64, PolicyConfig)>,
@@ -96,9 +101,6 @@ pub struct GroupRuntime {
     /// span one way. A span changes after `watch_samples` of them, as the
     /// group itself scales only on a confirmed breach.
     span_streaks: HashMap<(String, String), SpanStreak>,
-    /// The group's nodes as this evaluation's resume check read them, for
-    /// its sampling to use instead of reading them again.
-    fresh: Option<(GroupView, Vec<NodeRow>)>,
 }
 
 impl Default for GroupRuntime {
@@ -114,6 +116,7 @@ impl GroupRuntime {
             restored: BTreeMap::new(),
             clients: HashMap::new(),
             token: None,
+            credentials: None,
             policy: None,
             next_eval_ms: 0,
             failures: 0,
@@ -121,7 +124,6 @@ impl GroupRuntime {
             resumed: false,
             resume_backoff: ResumeBackoff::default(),
             span_streaks: HashMap::new(),
-            fresh: None,
         }
     }
 
@@ -161,6 +163,7 @@ impl GroupRuntime {
 
 /// Gives up this daemon's claim on a group (shutdown, group gone).
 pub fn release_ownership(shared: &Shared, group_id: &str) {
+    shared.claims.remove(group_id);
     let _ = shared.engine.release_daemon_claim(group_id, &shared.holder);
 }
 
@@ -248,18 +251,35 @@ pub async fn evaluate(
     let Some(claim) = take_turn(shared, rt, row, claim_ttl)? else {
         return Ok(Next::Requeue(interval));
     };
-    if finish_deletion(shared, row).await? {
+    let Some(snap) = snapshot(shared, id).await? else {
+        return Ok(Next::Requeue(interval)); // gone meanwhile
+    };
+    if let Some(holder) = snap.applying.clone() {
+        tracing::debug!(group = %spec.name, holder = %holder, "group's lease is held; skipping this evaluation");
+        rt.left_alone = true;
+        shared.disown(id);
+        shared.update_status(id, |s| {
+            s.owner = "self".into();
+            s.skipped_for = Some(holder);
+        });
+        return Ok(Next::Requeue(interval));
+    }
+    if finish_deletion(shared, row, snap.deleting).await? {
         return Ok(Next::Requeue(interval));
     }
     // Before the resume: a resume that failed on the distributor waits for
     // its back-off, but what the distributor serves is checked every interval.
     settle_publication(shared, row, interval);
-    if resume(shared, rt, row, now).await? {
-        return Ok(Next::Requeue(interval));
-    }
-    let Some(seen) = observe(shared, rt, row).await? else {
-        return Ok(Next::Requeue(interval)); // gone meanwhile
+    let snap = match resume(shared, rt, row, now, &snap).await? {
+        Resumed::Stop => return Ok(Next::Requeue(interval)),
+        Resumed::Settled => snap,
+        // The repair changed the nodes: read them again.
+        Resumed::Repaired => match snapshot(shared, id).await? {
+            Some(s) => s,
+            None => return Ok(Next::Requeue(interval)),
+        },
     };
+    let seen = observe(shared, rt, row, snap).await?;
     shared.metrics.evaluated();
 
     // Forget AZs that the group no longer declares.
@@ -329,16 +349,19 @@ fn policy(
 }
 
 /// The claim on the group when this daemon may act on it now; `None` when
-/// another daemon evaluates it or an apply works on it.
+/// another daemon evaluates it (or should: this one holds its share). A claim
+/// this daemon holds surely (see [`crate::claims`]) costs no statement.
 fn take_turn(
     shared: &Shared,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
     claim_ttl: Duration,
-) -> Result<Option<KeptLease>, EvalError> {
+) -> Result<Option<Lease>, EvalError> {
     // Daemons on one store each hold about their share of its groups: one
     // that holds its share claims no more (another daemon has room for it).
     if !shared.may_claim(&row.id) {
+        // Not renewed any more: it expires for a daemon with room for it.
+        shared.claims.remove(&row.id);
         rt.left_alone = true;
         rt.forget();
         shared.update_status(&row.id, |s| {
@@ -347,19 +370,25 @@ fn take_turn(
         });
         return Ok(None);
     }
-    let turn = shared
-        .engine
-        .daemon_turn(&row.id, &shared.holder, claim_ttl)
-        .map_err(|e| EvalError::new("claim the group", e))?;
-    rt.left_alone = !matches!(turn, Turn::Ours(_));
-    if !matches!(turn, Turn::Ours(_)) {
-        shared.disown(&row.id);
-    }
-    match turn {
+    let claim = match shared.claims.usable(&row.id, claim_ttl) {
+        Some(held) => Claim::Ours(held),
+        None => {
+            let sent = Instant::now();
+            let claim = shared
+                .engine
+                .daemon_claim(&row.id, &shared.holder, claim_ttl)
+                .map_err(|e| EvalError::new("claim the group", e))?;
+            if let Claim::Ours(l) = &claim {
+                shared.claims.insert(&row.id, l.clone(), claim_ttl, sent);
+            }
+            claim
+        }
+    };
+    rt.left_alone = !matches!(claim, Claim::Ours(_));
+    match claim {
         // More than its share (another daemon joined): let the group go,
         // between workflows, for a daemon with room to take it.
-        Turn::Ours(claim) if !rt.workflows_in_flight() && !shared.keep_claim(&row.id) => {
-            drop(claim);
+        Claim::Ours(_) if !rt.workflows_in_flight() && !shared.keep_claim(&row.id) => {
             release_ownership(shared, &row.id);
             tracing::info!(group = %row.spec.name, "more than this daemon's share of the groups: letting this one go to another daemon");
             rt.left_alone = true;
@@ -370,11 +399,13 @@ fn take_turn(
             });
             Ok(None)
         }
-        Turn::Ours(claim) => {
+        Claim::Ours(claim) => {
             shared.keep_claim_anyway(&row.id);
             Ok(Some(claim))
         }
-        Turn::OtherDaemon { holder } => {
+        Claim::OtherDaemon { holder } => {
+            shared.disown(&row.id);
+            shared.claims.remove(&row.id);
             if !rt.azs.is_empty() {
                 tracing::info!(group = %row.spec.name, owner = %holder, "another daemon evaluates this group; leaving it");
             }
@@ -385,26 +416,28 @@ fn take_turn(
             });
             Ok(None)
         }
-        Turn::Applying { holder } => {
-            tracing::debug!(group = %row.spec.name, holder = %holder, "group's lease is held; skipping this evaluation");
-            shared.update_status(&row.id, |s| {
-                s.owner = "self".into();
-                s.skipped_for = Some(holder);
-            });
-            Ok(None)
-        }
     }
+}
+
+/// The group and its nodes as this evaluation reads them (two statements);
+/// `None` when the group is gone.
+async fn snapshot(shared: &Shared, id: &str) -> Result<Option<GroupSnapshot>, EvalError> {
+    shared
+        .engine
+        .group_snapshot(id)
+        .await
+        .map_err(|e| EvalError::new("read the group's nodes", e))
 }
 
 /// A group whose destroy began and stopped (the apply killed mid-drain) is
 /// deleted, not resumed: true when that is what this evaluation did.
-async fn finish_deletion(shared: &Shared, row: &Row<GroupSpec>) -> Result<bool, EvalError> {
+async fn finish_deletion(
+    shared: &Shared,
+    row: &Row<GroupSpec>,
+    deleting: bool,
+) -> Result<bool, EvalError> {
     let step = "finish the group's destroy";
-    if !shared
-        .engine
-        .group_being_deleted(&row.id)
-        .map_err(|e| EvalError::new(step, e))?
-    {
+    if !deleting {
         return Ok(false);
     }
     tracing::info!(group = %row.spec.name, "the group's destroy stopped half-way: finishing it");
@@ -453,30 +486,25 @@ fn settle_publication(shared: &Arc<Shared>, row: &Row<GroupSpec>, interval: Dura
 /// a count within min..max as it is. Never while this daemon's own workflows
 /// run (their nodes are in transient states). A resume that fails is retried
 /// after a back-off, not at every interval; nothing is decided meanwhile.
-/// True when the evaluation stops here.
 async fn resume(
     shared: &Shared,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
     now: i64,
-) -> Result<bool, EvalError> {
+    snap: &GroupSnapshot,
+) -> Result<Resumed, EvalError> {
     if rt.workflows_in_flight() {
-        return Ok(false);
+        return Ok(Resumed::Settled);
     }
     let (id, name) = (row.id.as_str(), row.spec.name.as_str());
-    rt.fresh = None;
     let why = if rt.resumed {
-        let (why, fresh) = leftover_work(shared, id)
-            .await
-            .map_err(|e| EvalError::new("read the group's nodes", e))?;
-        rt.fresh = fresh;
-        why
+        leftover_work(shared, snap).map_err(|e| EvalError::new("read the group's nodes", e))?
     } else {
         Some("first evaluation by this daemon".to_string())
     };
     let Some(why) = why else {
         rt.resume_backoff = rt.resume_backoff.succeeded();
-        return Ok(false);
+        return Ok(Resumed::Settled);
     };
     if !rt.resume_backoff.due(now) {
         tracing::debug!(group = %name, retry_at_ms = rt.resume_backoff.retry_at_ms, "a failed resume waits for its retry");
@@ -484,10 +512,8 @@ async fn resume(
             s.owner = "self".into();
             s.skipped_for = None;
         });
-        return Ok(true);
+        return Ok(Resumed::Stop);
     }
-    // The repair changes the nodes: sampling reads them again.
-    rt.fresh = None;
     tracing::info!(group = %name, why = %why, "resuming: reconciling the group before deciding");
     shared.update_status(id, |s| s.in_flight = Some("resume".into()));
     let started = Instant::now();
@@ -514,7 +540,17 @@ async fn resume(
             return Err(EvalError::new("read the group's policy state", e));
         }
     }
-    Ok(false)
+    Ok(Resumed::Repaired)
+}
+
+/// How [`resume`] left the evaluation.
+enum Resumed {
+    /// Nothing was left half-done (or a workflow of this daemon runs).
+    Settled,
+    /// The group was reconciled: its nodes are to be read again.
+    Repaired,
+    /// A failed resume waits for its back-off: nothing is decided now.
+    Stop,
 }
 
 /// A failed resume: its back-off, event and status.
@@ -557,30 +593,24 @@ fn resume_failed(
 /// Work that a holder left half-done, as the store and the processes show it:
 /// a node in a transient or failed state, an active node that is not registered
 /// with the distributor, or one that does not run the configuration it should.
-/// `None` when the group is settled; with the nodes it read.
-async fn leftover_work(
-    shared: &Shared,
-    id: &str,
-) -> Result<(Option<String>, Option<(GroupView, Vec<NodeRow>)>), EngineError> {
-    let Some(view) = shared.engine.group_view(id).await? else {
-        return Ok((None, None));
-    };
-    let stale = shared.engine.stale_configurations(id)?;
-    let rows = shared.engine.node_rows(id)?;
-    let why = unsettled(&view, &rows, &stale);
-    Ok((why, Some((view, rows))))
-}
-
-fn unsettled(view: &GroupView, rows: &[NodeRow], stale: &[String]) -> Option<String> {
-    if let Some(n) = view.nodes.iter().find(|n| n.state != "active") {
-        return Some(format!("node {} is {}", n.id, n.state));
+/// `None` when the group is settled. Read from the evaluation's snapshot; only
+/// the configuration check reads more (the vservers), and only when the nodes
+/// themselves are settled.
+fn leftover_work(shared: &Shared, snap: &GroupSnapshot) -> Result<Option<String>, EngineError> {
+    if let Some(n) = snap.view.nodes.iter().find(|n| n.state != "active") {
+        return Ok(Some(format!("node {} is {}", n.id, n.state)));
     }
+    let stale = shared.engine.stale_configurations_in(snap)?;
     if let Some(id) = stale.first() {
-        return Some(format!("node {id} does not run its current configuration"));
+        return Ok(Some(format!(
+            "node {id} does not run its current configuration"
+        )));
     }
-    rows.iter()
+    Ok(snap
+        .rows
+        .iter()
         .find(|r| r.state == NodeState::Active && !r.registered)
-        .map(|r| format!("node {} is active but not registered", r.id))
+        .map(|r| format!("node {} is active but not registered", r.id)))
 }
 
 /// What one evaluation saw of the group.
@@ -592,24 +622,15 @@ struct Seen {
     span_target: f64,
 }
 
-/// The group's nodes, their statistics and the vservers' spans; `None` when
-/// the group is gone.
+/// The group's nodes (as the snapshot read them), their statistics and the
+/// vservers' spans.
 async fn observe(
     shared: &Shared,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
-) -> Result<Option<Seen>, EvalError> {
+    snap: GroupSnapshot,
+) -> Result<Seen, EvalError> {
     let id = row.id.as_str();
-    let nodes = |e| EvalError::new("read the group's nodes", e);
-    let (view, rows) = match rt.fresh.take() {
-        Some(fresh) => fresh,
-        None => {
-            let Some(view) = shared.engine.group_view(id).await.map_err(nodes)? else {
-                return Ok(None);
-            };
-            (view, shared.engine.node_rows(id).map_err(nodes)?)
-        }
-    };
     if rt.token.is_none() {
         let token = shared
             .engine
@@ -617,20 +638,31 @@ async fn observe(
             .map_err(|e| EvalError::new("read the group's token", e))?;
         rt.token = Some(token);
     }
-    let targets = sample::targets(&view, &rows);
     let token = rt.token.as_deref().unwrap_or_default();
+    let creds = match &rt.credentials {
+        Some(c) if c.fresh() => c.clone(),
+        _ => {
+            let c = Arc::new(
+                EngineCredentials::issue(token)
+                    .map_err(|e| EvalError::new("issue the engine's node API certificate", e))?,
+            );
+            rt.credentials = Some(c.clone());
+            c
+        }
+    };
+    let targets = sample::targets(&snap.view, &snap.rows);
     let window = interval_of(&row.spec);
-    let sampled = sample::sample(&mut rt.clients, targets, token, window).await;
+    let sampled = sample::sample(&mut rt.clients, targets, token, &creds, window).await;
     let spans = shared
         .engine
-        .vserver_spans(id)
+        .vserver_spans_in(&snap)
         .map_err(|e| EvalError::new("read the vservers' spans", e))?;
-    Ok(Some(Seen {
-        view,
+    Ok(Seen {
+        view: snap.view,
         sampled,
         spans,
         span_target: span_target_cpu(&row.spec),
-    }))
+    })
 }
 
 /// One AZ: its runtime (restored from the store at its first step after a
@@ -727,15 +759,9 @@ async fn az_spans(
             may_resize,
         },
         &mut rt.span_streaks,
-        cx.claim.lease(),
+        cx.claim,
     )
     .await
-}
-
-/// How long this daemon's claim on a group lasts between evaluations: another
-/// daemon takes the group over this long after this one stopped renewing it.
-fn claim_ttl(interval: Duration) -> Duration {
-    (interval * 5).max(Duration::from_secs(10))
 }
 
 #[cfg(test)]

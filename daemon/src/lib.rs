@@ -41,6 +41,7 @@
 //!    group's lease) never acts together with one.
 
 mod az;
+mod claims;
 pub mod group;
 pub mod http;
 pub mod metrics;
@@ -106,6 +107,8 @@ pub struct Shared {
     publication_checks: Mutex<HashMap<String, std::time::Instant>>,
     /// The groups this daemon holds the claim of.
     owned: Mutex<HashSet<String>>,
+    /// Those claims' leases, renewed together ([`claims::keep_renewed`]).
+    claims: claims::Claims,
     /// Daemons announced on the store (this one included), and the groups in
     /// it, as the loop last read them: this daemon's share is their quotient.
     daemons: AtomicUsize,
@@ -258,6 +261,7 @@ pub async fn run_with_clouds(
         status: Mutex::new(BTreeMap::new()),
         publication_checks: Mutex::new(HashMap::new()),
         owned: Mutex::new(HashSet::new()),
+        claims: claims::Claims::default(),
         daemons: AtomicUsize::new(1),
         groups: AtomicUsize::new(0),
     });
@@ -269,6 +273,7 @@ pub async fn run_with_clouds(
         "lbscale daemon started"
     );
     let http = tokio::spawn(http::serve(listener, shared.clone()));
+    let renewals = tokio::spawn(claims::keep_renewed(shared.clone()));
 
     let mut groups: HashMap<String, Watched> = HashMap::new();
     let mut listed: Option<Listed> = None;
@@ -359,6 +364,7 @@ pub async fn run_with_clouds(
         while tasks.join_next().await.is_some() {}
     }
     http.abort();
+    renewals.abort();
     for id in groups.keys() {
         group::release_ownership(&shared, id);
     }

@@ -1,11 +1,12 @@
 //! Sampling a group's serving nodes through their management API.
 
 use crate::metrics::{RampingService, SampleOut};
-use lbscale_engine::nodeapi::NodeClient;
+use lbscale_engine::nodeapi::{EngineCredentials, NodeClient};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The API port of a node whose handle does not say.
@@ -109,11 +110,14 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// Asks every target for its statistics, concurrently, each bounded by
 /// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
 /// `window` (the group's stats interval). Connections are kept for the next
-/// evaluation when it comes soon ([`KEEP_CONNECTIONS_UP_TO`]).
+/// evaluation when it comes soon ([`KEEP_CONNECTIONS_UP_TO`]). New
+/// connections show the group's engine credentials `creds` (kept by the
+/// group's runtime, not issued per connection).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
     targets: Vec<Target>,
     token: &str,
+    creds: &Arc<EngineCredentials>,
     window: Duration,
 ) -> Sampled {
     // Forget the connections of nodes that left.
@@ -123,11 +127,12 @@ pub(crate) async fn sample(
         let addr = format!("{}:{}", t.ip, t.port);
         let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
         let (id, ip, port, token) = (t.id.clone(), t.ip.clone(), t.port, token.to_string());
+        let creds = creds.clone();
         set.spawn(async move {
             let call = async {
                 let mut client = match cached {
                     Some(c) => c.client,
-                    None => NodeClient::connect(&ip, port, &id, &token)
+                    None => NodeClient::connect_with(&creds, &ip, port, &id, &token)
                         .await
                         .map_err(|e| e.to_string())?,
                 };
