@@ -230,6 +230,7 @@ impl Conn<'_> {
                     let (status, msg) = match e {
                         HeadErr::TooMany => (431, "request header fields too large\n"),
                         HeadErr::Invalid => (400, "bad request\n"),
+                        HeadErr::Coding => (501, "transfer coding not implemented\n"),
                     };
                     self.refuse(status, msg).await;
                     return;
@@ -862,10 +863,10 @@ impl Conn<'_> {
     /// still sends is read (a little while, a bounded amount) so that it gets
     /// the answer rather than a reset.
     async fn refuse(&mut self, status: u16, msg: &str) {
-        let reason = if status == 431 {
-            "Request Header Fields Too Large"
-        } else {
-            "Bad Request"
+        let reason = match status {
+            431 => "Request Header Fields Too Large",
+            501 => "Not Implemented",
+            _ => "Bad Request",
         };
         self.simple(status, reason, msg, false);
         if self.write_client_out().await.is_err() {

@@ -713,3 +713,269 @@ async fn a_services_own_lbscale_headers_are_replaced() {
     );
     assert_eq!(values("x-lbscale-service"), vec!["b".to_string()], "{head}");
 }
+
+// The second review (of 09cd98a): each test below fails on that commit.
+
+/// A service that answers every request with what `answer` makes of its
+/// path, and keeps each request head it received (as it came) in the list
+/// returned. Heads are kept as soon as they are read, before any body.
+async fn scripted_backend(addr: &str, answer: fn(&str) -> Vec<u8>) -> Arc<Mutex<Vec<String>>> {
+    let l = TcpListener::bind(addr).await.unwrap();
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let h = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let heads = h.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let Some(end) = until(&mut s, &mut buf, b"\r\n\r\n").await else {
+                        return;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    heads.lock().unwrap().push(head.clone());
+                    if let Some(n) =
+                        header(&head, "content-length").and_then(|v| v.parse::<usize>().ok())
+                    {
+                        if !fill(&mut s, &mut buf, end + n).await {
+                            return;
+                        }
+                        buf.drain(..end + n);
+                    } else if header(&head, "transfer-encoding").is_some() {
+                        let Some(e) = until(&mut s, &mut buf, b"0\r\n\r\n").await else {
+                            return;
+                        };
+                        buf.drain(..e);
+                    } else {
+                        buf.drain(..end);
+                    }
+                    let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+                    if s.write_all(&answer(&path)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    heads
+}
+
+/// Waits (within 10 s) until `heads` holds `n` request heads.
+async fn heads_seen(heads: &Mutex<Vec<String>>, n: usize) -> Vec<String> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let h = heads.lock().unwrap().clone();
+            if h.len() >= n {
+                return h;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the service got the request heads within 10 s")
+}
+
+/// Finding 3 (and 5) of the second review: a response's `Content-Length`
+/// that its `Connection` named was dropped, so that a pipelined client read
+/// the next response as this one's body; `2, 2` and `05` went out as they
+/// came. The client gets the length the node followed, written by the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_length_is_never_dropped_and_goes_out_as_the_node_read_it() {
+    let _heads = scripted_backend("127.77.78.100:8000", |path| match path {
+        "/named" => {
+            b"HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 5\r\n\r\nhello"
+                .to_vec()
+        }
+        "/list" => b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok".to_vec(),
+        _ => b"HTTP/1.1 200 OK\r\nContent-Length: 05\r\n\r\nfives".to_vec(),
+    })
+    .await;
+    let (_node, _dir, vip) = http_node("clnamed", "127.77.78.1", "127.77.78.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(
+            b"GET /named HTTP/1.1\r\nHost: t\r\n\r\nGET /named HTTP/1.1\r\nHost: t\r\n\r\n\
+              GET /list HTTP/1.1\r\nHost: t\r\n\r\nGET /zero HTTP/1.1\r\nHost: t\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        for (len, want) in [("5", "hello"), ("5", "hello"), ("2", "ok"), ("5", "fives")] {
+            let (st, head, body) = response(&mut s, &mut buf, false).await;
+            assert_eq!(st, 200, "{head}");
+            assert_eq!(header(&head, "content-length"), Some(len), "{head}");
+            assert_eq!(String::from_utf8_lossy(&body), want, "{head}");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("four whole responses within 10 s");
+}
+
+/// Finding 4: a request's `Transfer-Encoding` list ending in chunked
+/// (`identity, chunked`, `chunked, chunked`) reached the service as sent,
+/// and a response's went to the client so. A request's coding must be
+/// `chunked` alone (else 501, and the connection closes), the service gets
+/// the node's own field; a response's other list is answered 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_chunked_alone_is_a_transfer_coding_and_the_node_writes_its_own() {
+    let heads = scripted_backend("127.77.79.100:8000", |path| match path {
+        "/twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n\
+                      2\r\nok\r\n0\r\n\r\n"
+            .to_vec(),
+        _ => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: CHUNKED\r\n\r\n2\r\nok\r\n0\r\n\r\n".to_vec(),
+    })
+    .await;
+    let (_node, _dir, vip) = http_node("tete", "127.77.79.1", "127.77.79.100:8000", &[]).await;
+    let test = async {
+        for te in ["identity, chunked", "chunked, chunked"] {
+            let mut s = TcpStream::connect(&vip).await.unwrap();
+            s.write_all(
+                format!(
+                    "POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {te}\r\n\r\n\
+                     3\r\nabc\r\n0\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all).await;
+            let all = String::from_utf8_lossy(&all).to_string();
+            assert!(all.starts_with("HTTP/1.1 501 "), "{te}: {all}");
+        }
+        assert!(
+            heads.lock().unwrap().is_empty(),
+            "a refused request reached the service"
+        );
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(
+            b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: Chunked \r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let (st, head, body) = response(&mut s, &mut buf, false).await;
+        assert_eq!(st, 200, "{head}");
+        assert_eq!(
+            header(&head, "transfer-encoding"),
+            Some("chunked"),
+            "{head}"
+        );
+        assert_eq!(body, b"2\r\nok\r\n0\r\n\r\n");
+        let seen = heads_seen(&heads, 1).await;
+        assert_eq!(
+            header(&seen[0], "transfer-encoding"),
+            Some("chunked"),
+            "{}",
+            seen[0]
+        );
+        s.write_all(b"GET /twice HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let (st, head, _) = response(&mut s, &mut buf, false).await;
+        assert_eq!(st, 502, "{head}");
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the exchanges within 10 s");
+}
+
+/// Finding 6: an HTTP/1.0 client's `Expect: 100-continue` got a
+/// `100 Continue`, which RFC 9110 §15.2 forbids. It gets the final answer only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_100_continue_to_an_http10_client() {
+    let heads = scripted_backend("127.77.80.100:8000", |_| {
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec()
+    })
+    .await;
+    let (_node, _dir, vip) = http_node("expect10", "127.77.80.1", "127.77.80.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"POST /x HTTP/1.0\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+            .await
+            .unwrap();
+        // The head is at the service (the node would have answered 100 by now).
+        heads_seen(&heads, 1).await;
+        s.write_all(b"abc").await.unwrap();
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all).await;
+        String::from_utf8_lossy(&all).to_string()
+    };
+    let all = tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the exchange within 10 s");
+    assert!(all.starts_with("HTTP/1.1 200 "), "{all}");
+}
+
+/// Finding 7: Host was not checked. An HTTP/1.1 request without one, or with
+/// two, is answered 400; an absolute-form target's authority is the Host the
+/// service gets (RFC 9112 §3.2, §3.2.2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_is_checked_and_an_absolute_targets_wins() {
+    let heads = scripted_backend("127.77.81.100:8000", |_| {
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec()
+    })
+    .await;
+    let (_node, _dir, vip) = http_node("host", "127.77.81.1", "127.77.81.100:8000", &[]).await;
+    let test = async {
+        for req in [
+            "GET /x HTTP/1.1\r\n\r\n",
+            "GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        ] {
+            let mut s = TcpStream::connect(&vip).await.unwrap();
+            s.write_all(req.as_bytes()).await.unwrap();
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all).await;
+            let all = String::from_utf8_lossy(&all).to_string();
+            assert!(all.starts_with("HTTP/1.1 400 "), "{req:?}: {all}");
+        }
+        assert!(
+            heads.lock().unwrap().is_empty(),
+            "a refused request reached the service"
+        );
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(b"GET http://a.example/x HTTP/1.1\r\nHost: b\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut s, &mut buf, false).await.0, 200);
+        let seen = heads_seen(&heads, 1).await;
+        let hosts: Vec<&str> = seen[0]
+            .split("\r\n")
+            .filter(|l| l.to_ascii_lowercase().starts_with("host:"))
+            .collect();
+        assert_eq!(hosts, vec!["Host: a.example"], "{}", seen[0]);
+        assert!(seen[0].starts_with("GET /x HTTP/1.1\r\n"), "{}", seen[0]);
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the exchanges within 10 s");
+}
+
+/// Finding 8: an empty `X-Forwarded-For` reached the service as `, client`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_forwarded_for_is_left_out() {
+    let heads = scripted_backend("127.77.82.100:8000", |_| {
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec()
+    })
+    .await;
+    let (_node, _dir, vip) = http_node("xffempty", "127.77.82.1", "127.77.82.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        let mut buf = Vec::new();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\nX-Forwarded-For:\r\nX-Forwarded-For: 203.0.113.9\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut s, &mut buf, false).await.0, 200);
+        heads_seen(&heads, 1).await
+    };
+    let seen = tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the exchange within 10 s");
+    let xff = header(&seen[0], "x-forwarded-for").unwrap_or("");
+    let parts: Vec<&str> = xff.split(',').map(str::trim).collect();
+    assert_eq!(parts.len(), 2, "{xff}");
+    assert_eq!(parts[0], "203.0.113.9", "{xff}");
+    assert!(!parts[1].is_empty(), "{xff}");
+}

@@ -22,6 +22,8 @@ pub enum HeadErr {
     Invalid,
     /// More headers than [`MAX_HEADERS`]: 431.
     TooMany,
+    /// A request's `Transfer-Encoding` other than exactly `chunked`: 501.
+    Coding,
 }
 
 /// How a message's body is delimited.
@@ -48,6 +50,7 @@ enum Name {
     Cookie,
     XForwardedFor,
     Expect,
+    Host,
     /// `X-LBSCALE-Node`, `X-LBSCALE-Service`: the node sets its own on a
     /// response; a service's are not passed on.
     Own,
@@ -58,6 +61,7 @@ fn classify(n: &[u8]) -> Name {
     let is = |s: &str| n.eq_ignore_ascii_case(s.as_bytes());
     match n.len() {
         2 if is("te") => Name::Hop,
+        4 if is("host") => Name::Host,
         6 if is("cookie") => Name::Cookie,
         6 if is("expect") => Name::Expect,
         7 if is("trailer") || is("upgrade") => Name::Hop,
@@ -145,6 +149,15 @@ fn chunked_last(v: &[u8]) -> bool {
         .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked"))
 }
 
+/// Whether `Transfer-Encoding` is `chunked` alone: the one coding the node
+/// writes out again itself, so that what a service (or client) reads is the
+/// node's single layer, never a list parsers may read differently
+/// (`identity, chunked`, `chunked, chunked`).
+fn chunked_only(v: &[u8]) -> bool {
+    let mut t = tokens(v);
+    t.next().is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")) && t.next().is_none()
+}
+
 #[inline]
 fn header_line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -207,7 +220,8 @@ pub fn request<'a>(
     out.clear();
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
-    origin_form(target, out);
+    // An absolute-form target's authority is the Host sent (RFC 9112 §3.2.2).
+    let authority = origin_form(target, out)?;
     out.extend_from_slice(b" HTTP/1.1\r\n");
 
     let mut length = None;
@@ -215,10 +229,18 @@ pub fn request<'a>(
     let mut xff: Option<(usize, usize)> = None; // first and last index of the fields
     let mut expect_continue = false;
     let mut cookie = None;
+    let mut hosts = 0;
     for (i, h) in headers.iter().enumerate() {
         let n = h.name.as_bytes();
         match classify(n) {
             Name::Hop | Name::Connection => continue,
+            Name::Host => {
+                hosts += 1;
+                if let Some(a) = authority {
+                    header_line(out, b"Host", a);
+                    continue;
+                }
+            }
             Name::ContentLength => {
                 content_length(&mut length, h.value)?;
                 continue; // written below, unless chunked framing wins
@@ -236,7 +258,8 @@ pub fn request<'a>(
                 continue;
             }
             Name::Expect if h.value.eq_ignore_ascii_case(b"100-continue") => {
-                expect_continue = true;
+                // No 1xx to an HTTP/1.0 client (RFC 9110 §15.2).
+                expect_continue = !http10;
                 continue;
             }
             Name::Cookie => {
@@ -253,14 +276,25 @@ pub fn request<'a>(
         }
         header_line(out, n, h.value);
     }
+    // HTTP/1.1 needs exactly one Host (RFC 9112 §3.2), and so does a
+    // service that routes by it.
+    if hosts > 1 || (hosts == 0 && !http10) {
+        return Err(HeadErr::Invalid);
+    }
+    if let (0, Some(a)) = (hosts, authority) {
+        header_line(out, b"Host", a);
+    }
     let body = match (te, length) {
         // Both: a request that two parsers may frame differently (smuggling,
         // RFC 9112 §6.3): refused, and the connection closed.
         (Some(_), Some(_)) => return Err(HeadErr::Invalid),
-        // A request's coding must end with chunked, and HTTP/1.0 has none.
-        (Some(v), _) if http10 || !chunked_last(v) => return Err(HeadErr::Invalid),
-        (Some(v), _) => {
-            header_line(out, b"Transfer-Encoding", v);
+        // HTTP/1.0 has no transfer codings.
+        (Some(_), _) if http10 => return Err(HeadErr::Invalid),
+        // Any other coding than chunked alone: not implemented (501).
+        (Some(v), _) if !chunked_only(v) => return Err(HeadErr::Coding),
+        (Some(_), _) => {
+            // The node's own: it writes the chunks out again itself.
+            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
             Framing::Chunked
         }
         (None, Some(0)) | (None, None) => {
@@ -280,8 +314,9 @@ pub fn request<'a>(
     out.extend_from_slice(b"X-Forwarded-For: ");
     if let Some((first, last)) = xff {
         for h in &headers[first..=last] {
-            if classify(h.name.as_bytes()) == Name::XForwardedFor {
-                out.extend_from_slice(h.value);
+            // An empty value would make the list start with an empty element.
+            if classify(h.name.as_bytes()) == Name::XForwardedFor && !trim(h.value).is_empty() {
+                out.extend_from_slice(trim(h.value));
                 out.extend_from_slice(b", ");
             }
         }
@@ -306,19 +341,27 @@ pub fn request<'a>(
 
 /// Writes the target in origin form: an absolute-form one's path and query
 /// (`http://host/p?q` → `/p?q`, `http://host?q` → `/?q`), any other as it is.
-fn origin_form(target: &str, out: &mut Vec<u8>) {
+/// Returns an absolute-form target's authority (its host and port, without
+/// user information); an empty one is refused.
+fn origin_form<'t>(target: &'t str, out: &mut Vec<u8>) -> Result<Option<&'t [u8]>, HeadErr> {
     if !target.starts_with('/') {
         if let Some(i) = target.find("://") {
             let rest = &target[i + 3..];
-            let pq = rest.find(['/', '?']).map_or("", |j| &rest[j..]);
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            let (auth, pq) = rest.split_at(end);
+            let auth = auth.rsplit_once('@').map_or(auth, |(_, h)| h);
+            if auth.is_empty() {
+                return Err(HeadErr::Invalid);
+            }
             if !pq.starts_with('/') {
                 out.push(b'/');
             }
             out.extend_from_slice(pq.as_bytes());
-            return;
+            return Ok(Some(auth.as_bytes()));
         }
     }
     out.extend_from_slice(target.as_bytes());
+    Ok(None)
 }
 
 /// A service's response, parsed from the start of the read buffer.
@@ -374,9 +417,12 @@ pub fn response(
     out.extend_from_slice(b"\r\n");
     let mut length = None;
     let mut te: Option<&[u8]> = None;
-    let mut cl_at = None;
     for h in headers {
         let n = h.name.as_bytes();
+        // The framing fields are the node's own, written below from what it
+        // parsed (a `Connection` naming them removes nothing: RFC 9110
+        // §7.6.1 names no framing field hop-by-hop, and the client must get
+        // the framing the node follows).
         match classify(n) {
             Name::Hop | Name::Connection | Name::Own => continue,
             Name::TransferEncoding => {
@@ -388,10 +434,7 @@ pub fn response(
             }
             Name::ContentLength => {
                 content_length(&mut length, h.value)?;
-                if cl_at.is_some() {
-                    continue; // one field is enough
-                }
-                cl_at = Some(out.len());
+                continue;
             }
             _ => {}
         }
@@ -403,29 +446,29 @@ pub fn response(
     let no_body = is_head || status == 204 || status == 304;
     let body = match (te, length) {
         _ if no_body => Framing::None,
-        (Some(v), _) => {
-            if let Some(at) = cl_at {
-                // Chunked (or until close) wins over a length: not forwarded.
-                let end = at
-                    + out[at..]
-                        .iter()
-                        .position(|b| *b == b'\n')
-                        .map_or(0, |p| p + 1);
-                out.drain(at..end);
-            }
-            if chunked_last(v) {
-                Framing::Chunked
-            } else {
-                Framing::Close
-            }
-        }
+        // Codings before chunked: the node would pass on a layer it does not
+        // follow; refused (502) rather than guessed.
+        (Some(v), _) if chunked_last(v) && !chunked_only(v) => return Err(HeadErr::Invalid),
+        // Chunked (or until close) wins over a length, which is not forwarded.
+        (Some(v), _) if chunked_last(v) => Framing::Chunked,
+        (Some(_), _) => Framing::Close,
         (None, Some(n)) => Framing::Length(n),
         (None, None) => Framing::Close,
     };
-    if let Some(v) = te {
-        if no_body || (body == Framing::Chunked && chunked_ok) {
-            header_line(out, b"Transfer-Encoding", v);
+    match (body, te, length) {
+        (Framing::Chunked, _, _) if chunked_ok => {
+            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n")
         }
+        // A HEAD's or 304's: what a GET would have had.
+        (Framing::None, Some(v), _) if chunked_only(v) => {
+            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n")
+        }
+        (Framing::Length(n), _, _) | (Framing::None, None, Some(n)) => {
+            out.extend_from_slice(b"Content-Length: ");
+            out.extend_from_slice(itoa(n, &mut [0; 20]));
+            out.extend_from_slice(b"\r\n");
+        }
+        _ => {}
     }
     let keep = if version == 0 {
         conn.keep_alive && !conn.close
@@ -708,11 +751,14 @@ mod tests {
 
     #[test]
     fn request_framing_and_keep_alive() {
-        let (r, out) = req("POST / HTTP/1.1\r\nContent-Length: 5\r\nConnection: close\r\n\r\n");
+        let (r, out) =
+            req("POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nConnection: close\r\n\r\n");
         assert_eq!(r, Ok(Some((Framing::Length(5), false, false))));
         assert!(out.contains("Content-Length: 5\r\n"), "{out}");
-        let (r, out) = req("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\
-             Expect: 100-continue\r\n\r\n");
+        let (r, out) = req(
+            "POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\
+             Expect: 100-continue\r\n\r\n",
+        );
         assert_eq!(r, Ok(Some((Framing::Chunked, true, true))));
         assert!(!out.contains("Expect"), "{out}");
         assert!(out.contains("Transfer-Encoding: chunked\r\n"), "{out}");
@@ -732,13 +778,44 @@ mod tests {
             Err(HeadErr::Invalid)
         );
         assert_eq!(
-            req("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").0,
+            req("POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n").0,
             Err(HeadErr::Invalid)
         );
         assert_eq!(
-            req("POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n").0,
+            req("POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n").0,
+            Err(HeadErr::Coding)
+        );
+        // Chunked alone, nothing else (TE.TE): the node's own field goes out.
+        for te in ["identity, chunked", "chunked, chunked", "gzip, chunked"] {
+            let h = format!("POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(req(&h).0, Err(HeadErr::Coding), "{te}");
+        }
+        let (r, out) = req("POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding:  CHUNKED \r\n\r\n");
+        assert_eq!(r, Ok(Some((Framing::Chunked, true, false))));
+        assert!(out.contains("\r\nTransfer-Encoding: chunked\r\n"), "{out}");
+        // Host: exactly one in HTTP/1.1; an absolute target's wins.
+        assert_eq!(req("GET / HTTP/1.1\r\n\r\n").0, Err(HeadErr::Invalid));
+        assert_eq!(
+            req("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n").0,
             Err(HeadErr::Invalid)
         );
+        let (_, out) = req("GET http://u@a.example:81/x HTTP/1.1\r\nHost: b\r\n\r\n");
+        assert!(
+            out.starts_with("GET /x HTTP/1.1\r\nHost: a.example:81\r\n"),
+            "{out}"
+        );
+        assert!(!out.contains("Host: b"), "{out}");
+        assert_eq!(
+            req("GET http:///x HTTP/1.1\r\nHost: b\r\n\r\n").0,
+            Err(HeadErr::Invalid)
+        );
+        // No 100 Continue to HTTP/1.0; an empty X-Forwarded-For is left out.
+        let (r, out) = req(
+            "POST / HTTP/1.0\r\nContent-Length: 1\r\nExpect: 100-continue\r\n\
+             X-Forwarded-For: \r\n\r\n",
+        );
+        assert_eq!(r, Ok(Some((Framing::Length(1), false, false))));
+        assert!(out.contains("\r\nX-Forwarded-For: 192.0.2.1\r\n"), "{out}");
         assert_eq!(
             req("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n").0,
             Err(HeadErr::Invalid)
@@ -749,7 +826,7 @@ mod tests {
             "Content-Length: 5\r\nTransfer-Encoding: chunked",
         ] {
             assert_eq!(
-                req(&format!("POST / HTTP/1.1\r\n{h}\r\n\r\n")).0,
+                req(&format!("POST / HTTP/1.1\r\nHost: t\r\n{h}\r\n\r\n")).0,
                 Err(HeadErr::Invalid)
             );
         }
@@ -763,7 +840,7 @@ mod tests {
     #[test]
     fn the_persistence_cookie_is_found_among_others() {
         let mut out = Vec::new();
-        let s = b"GET / HTTP/1.1\r\nCookie: a=1; lbscale_web=\"00ff\"; b=2\r\n\r\n";
+        let s = b"GET / HTTP/1.1\r\nHost: t\r\nCookie: a=1; lbscale_web=\"00ff\"; b=2\r\n\r\n";
         let r = request(s, b"192.0.2.1", Some("lbscale_web"), &mut out)
             .unwrap()
             .unwrap();
@@ -849,6 +926,42 @@ mod tests {
     }
 
     #[test]
+    fn a_responses_framing_fields_are_the_nodes_own() {
+        // `Connection` naming Content-Length removes nothing; the length the
+        // node follows is the one written.
+        let (r, out) = resp(
+            "HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 5\r\n\r\n",
+            false,
+            true,
+        );
+        assert_eq!(r, Some((200, Framing::Length(5), true)));
+        assert_eq!(out, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n");
+        for cl in ["2, 2", "02", "2\r\nContent-Length: 2"] {
+            let (_, out) = resp(
+                &format!("HTTP/1.1 200 OK\r\nContent-Length: {cl}\r\n\r\n"),
+                false,
+                true,
+            );
+            assert_eq!(out, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", "{cl}");
+        }
+        let (r, out) = resp(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n",
+            false,
+            true,
+        );
+        assert_eq!(r, Some((200, Framing::Chunked, true)));
+        assert_eq!(out, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n");
+        let mut out = Vec::new();
+        for te in ["chunked, chunked", "gzip, chunked"] {
+            let h = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert!(
+                response(h.as_bytes(), false, true, &mut out).is_err(),
+                "{te}"
+            );
+        }
+    }
+
+    #[test]
     fn chunked_bodies_end_where_they_end_in_any_pieces() {
         let body =
             b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nTrailer: x\r\n\r\nNEXT";
@@ -908,7 +1021,7 @@ mod tests {
     fn absolute_targets_become_origin_form() {
         let o = |t: &str| {
             let mut out = Vec::new();
-            origin_form(t, &mut out);
+            origin_form(t, &mut out).unwrap();
             String::from_utf8(out).unwrap()
         };
         assert_eq!(o("http://h/a?b"), "/a?b");
