@@ -6,7 +6,8 @@
 
 use crate::common::*;
 use lbscale_cloud_azure::credentials::{Choice, ClientSecret};
-use lbscale_cloud_azure::{http::Url, AzureSettings};
+use lbscale_cloud_azure::AzureSettings;
+use lbscale_cloud_http::Url;
 use serde::{Deserialize, Serialize};
 use tf_provider::schema::{AttributeType, NestedBlock};
 use tf_provider::value::Value;

@@ -4,7 +4,8 @@
 //! never reach the store.
 
 use crate::common::*;
-use lbscale_cloud_gcp::{http::Url, GcpSettings};
+use lbscale_cloud_gcp::GcpSettings;
+use lbscale_cloud_http::Url;
 use serde::{Deserialize, Serialize};
 use tf_provider::schema::{AttributeType, NestedBlock};
 use tf_provider::value::Value;
