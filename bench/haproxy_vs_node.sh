@@ -231,6 +231,8 @@ printf '\nwrk -t%s -c%s -d%s x%s (medians), %s, lbscale-node --threads %s\n\n' \
   "$THREADS" "$CONNS" "$DURATION" "$REPEAT" "$where" "${NODE_THREADS:-(default)}"
 printf '%-4s %-13s %12s %10s %10s %12s   %s\n' layer proxy "req/s" "p50 ms" "p99 ms" "CPU us/req" "runs (req/s p99)"
 for layer in L7 L4; do
+  # The machine's load before each layer: figures of a busy machine are read as such.
+  printf '(load average before %s: %s)\n' $layer "$(cut -d' ' -f1-3 /proc/loadavg)"
   if [ $layer = L7 ]; then hp=$HA_HTTP; np=$NODE_HTTP; npid=$node_http_pid
   else hp=$HA_TCP; np=$NODE_TCP; npid=$node_tcp_pid; fi
   hr=(); h5=(); h9=(); hc=(); nr=(); n5=(); n9=(); nc=()
