@@ -726,7 +726,10 @@ fn hex(n: u64, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
 
-    fn req(s: &str) -> (Result<Option<(Framing, bool, bool)>, HeadErr>, String) {
+    /// Framing, keep-alive and 100-continue of a parsed request head.
+    type Parsed = Result<Option<(Framing, bool, bool)>, HeadErr>;
+
+    fn req(s: &str) -> (Parsed, String) {
         let mut out = Vec::new();
         let r = request(s.as_bytes(), b"192.0.2.1", Some("lbscale_web"), &mut out)
             .map(|o| o.map(|r| (r.body, r.keep_alive, r.expect_continue)));
