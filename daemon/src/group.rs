@@ -562,7 +562,12 @@ fn resume_failed(
     e: EngineError,
 ) -> EvalError {
     let failed_at = now_ms();
-    let b = rt.resume_backoff.failed(failed_at);
+    let b = if e.is_publication() {
+        rt.resume_backoff
+            .failed_publishing(failed_at, interval_of(&row.spec))
+    } else {
+        rt.resume_backoff.failed(failed_at)
+    };
     rt.resume_backoff = b;
     let wait = format_as_seconds(Duration::from_millis(
         (b.retry_at_ms - failed_at).max(0) as u64

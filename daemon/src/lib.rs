@@ -25,7 +25,8 @@
 //!    registered) while none of its own workflows runs, it runs the engine's
 //!    level-triggered `reconcile_group`, which finishes each step where a crashed
 //!    holder stopped, before deciding anything. A resume that fails is retried
-//!    after a back-off (30 s doubling to 10 min, [`resume::ResumeBackoff`]), shown
+//!    after a back-off (30 s doubling to 10 min, [`resume::ResumeBackoff`]; one
+//!    stats interval doubling when only the publication failed), shown
 //!    in `/v1/groups` and as `resume_failed` events; after a successful one, each
 //!    AZ starts from the policy state that the store persisted
 //!    ([`resume::restore_az_state`]);

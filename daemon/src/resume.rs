@@ -13,6 +13,7 @@
 //! and [`restore_az_state`] bounds every restored wait by its configured length.
 
 use lbscale_core::policy::{provision_backoff, AzState, Millis, Phase, PolicyConfig};
+use std::time::Duration;
 
 /// An AZ's persisted policy state, as the daemon resumes from it at `now` (both
 /// Unix ms). `saved_at` is when it was written; `serving` / `provisioned` are
@@ -107,7 +108,8 @@ pub fn wait_ends_at(phase: &Phase) -> Option<Millis> {
 /// row, and when the next try is due. A node that keeps refusing its
 /// configuration would otherwise be retried every `stats_interval`: the waits are
 /// the policy's provisioning back-off ([`provision_backoff`]: 30 s doubling to
-/// 10 min), and a success starts over.
+/// 10 min), and a success starts over. A resume that failed only at publishing
+/// waits less ([`ResumeBackoff::failed_publishing`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ResumeBackoff {
     /// Failures in a row; 0 when the last resume succeeded (or none ran).
@@ -123,6 +125,22 @@ impl ResumeBackoff {
         ResumeBackoff {
             failures,
             retry_at_ms: at_ms.saturating_add(provision_backoff(failures).as_millis() as i64),
+        }
+    }
+
+    /// After a resume that failed at `at_ms` only at publishing to the traffic
+    /// distributor: publication is level-triggered (the distributor is checked
+    /// every `interval` anyway), so it waits one `interval`, doubling, and
+    /// never longer than [`ResumeBackoff::failed`]. A distributor that could not
+    /// be written for a while is then served again within about one interval of
+    /// being fixed, a dead node's address dropped with it.
+    pub fn failed_publishing(self, at_ms: i64, interval: Duration) -> ResumeBackoff {
+        let failures = self.failures.saturating_add(1);
+        let doubled = interval.saturating_mul(1 << failures.clamp(1, 16).saturating_sub(1));
+        ResumeBackoff {
+            failures,
+            retry_at_ms: at_ms
+                .saturating_add(doubled.min(provision_backoff(failures)).as_millis() as i64),
         }
     }
 
@@ -177,6 +195,24 @@ mod tests {
         assert!(b.due(0));
         // A failure after the reset waits the first step again.
         assert_eq!(b.failed(5_000).retry_at_ms, 35_000);
+    }
+
+    #[test]
+    fn a_resume_that_failed_at_publishing_waits_one_interval_doubling() {
+        let mut b = ResumeBackoff::default();
+        let mut waits = Vec::new();
+        let mut at = 1_000_000;
+        for _ in 0..7 {
+            b = b.failed_publishing(at, Duration::from_secs(2));
+            waits.push((b.retry_at_ms - at) / 1_000);
+            at = b.retry_at_ms;
+        }
+        assert_eq!(waits, vec![2, 4, 8, 16, 32, 64, 128]);
+        // Never longer than any other failed resume.
+        let b = ResumeBackoff::default().failed_publishing(0, Duration::from_secs(3600));
+        assert_eq!(b.retry_at_ms, 30_000);
+        // A later failure of another kind goes on from the count.
+        assert_eq!(b.failed(0).retry_at_ms, 60_000);
     }
 
     #[test]

@@ -280,7 +280,7 @@ impl Engine {
             .publish_fenced(distributor_id, &row.spec, &publication, turn.lease().fence)
             .await
             .map_err(|e| EngineError::Step {
-                step: "register addresses with the distributor",
+                step: super::PUBLISH_STEP,
                 detail: e.to_string(),
             })?;
         // Only now, confirmed by the driver, is it what the distributor serves.

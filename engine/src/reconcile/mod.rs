@@ -71,6 +71,17 @@ pub enum EngineError {
     Superseded(String),
 }
 
+/// The step of a publication to a traffic distributor, in [`EngineError::Step`].
+pub const PUBLISH_STEP: &str = "register addresses with the distributor";
+
+impl EngineError {
+    /// A publication to a traffic distributor failed (and nothing else): it is
+    /// level-triggered, so it is cheap and safe to try again soon.
+    pub fn is_publication(&self) -> bool {
+        matches!(self, EngineError::Step { step, .. } if *step == PUBLISH_STEP)
+    }
+}
+
 pub type Result<T> = std::result::Result<T, EngineError>;
 
 pub struct Engine {
