@@ -24,7 +24,9 @@
 # + system, % of one core), resident memory (VmRSS; VmHWM at the end), store
 # statements (round trips to PostgreSQL) and evaluations, and the lag from
 # each group's due time to its evaluation (p50, p99 interpolated within the
-# daemon's histogram buckets; max exact). With DAEMONS > 1: each daemon's
+# daemon's histogram buckets; max exact); per evaluation, the statements and
+# the CPU time (what a shared machine's load distorts least), and the 1-minute
+# load average at the end of the interval. With DAEMONS > 1: each daemon's
 # share of the claims; with FAILOVER=1 one daemon is then killed (SIGKILL)
 # and it prints how long until the survivors hold every group, and the
 # longest time any group went without an evaluation meanwhile.
@@ -204,9 +206,16 @@ def q(p):
         lo, prev = le, c
     return lo
 top = max((le for i, (le, c) in enumerate(d) if c > (d[i - 1][1] if i else 0)), default=0)
-print(f"  {label:<14} cpu {cpu:5.1f} %  rss {int(a[1]) / 1024:6.1f} MiB  statements {int(a[2]) - int(b[2]):7d}"
-      f"  evaluations {int(a[3]) - int(b[3]):6d}  lag p50 {q(0.5) * 1000:7.1f} ms  p99 {q(0.99) * 1000:7.1f} ms"
-      f"  max {'<= ' + str(top) + ' s' if top != float('inf') else '> 60 s'} (since start: {float(a[4]):.3f} s)")
+evals = int(a[3]) - int(b[3])
+statements = int(a[2]) - int(b[2])
+cpu_s = (int(a[0]) - int(b[0])) / hz
+# Per evaluation: what load on a shared machine distorts least.
+per = (f"  per evaluation: {statements / evals:5.1f} statements, {cpu_s / evals * 1000:5.2f} ms cpu"
+       if evals else "")
+load = open("/proc/loadavg").read().split()[0]
+print(f"  {label:<14} cpu {cpu:5.1f} %  rss {int(a[1]) / 1024:6.1f} MiB  statements {statements:7d}"
+      f"  evaluations {evals:6d} ({evals / secs:5.1f}/s)  lag p50 {q(0.5) * 1000:7.1f} ms  p99 {q(0.99) * 1000:7.1f} ms"
+      f"  max {'<= ' + str(top) + ' s' if top != float('inf') else '> 60 s'} (since start: {float(a[4]):.3f} s){per}  load {load}")
 EOF
 }
 
