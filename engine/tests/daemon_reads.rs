@@ -1,0 +1,108 @@
+//! What one evaluation of the daemon reads of a group costs in statements:
+//! a constant, whatever the number of nodes (it read the nodes and the
+//! distributor again for every node before: 44 statements an evaluation with
+//! six nodes). On SQLite and PostgreSQL (see `lbscale_engine::store_testing`).
+
+use lbscale_engine::cloud::Clouds;
+use lbscale_engine::model::{
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec,
+};
+use lbscale_engine::store::{NodeRow, NodeState, Store};
+use lbscale_engine::{store_test, Engine};
+
+fn spec() -> GroupSpec {
+    GroupSpec {
+        name: "reads".into(),
+        cloud: CloudName::Local,
+        availability_zones: vec!["az1".into(), "az2".into(), "az3".into()],
+        traffic_distributor_id: "td-1".into(),
+        min_nodes: 1,
+        max_nodes: 3,
+        stats_interval: DeclaredDuration::parse("60s").unwrap(),
+        watch_time: DeclaredDuration::parse("120s").unwrap(),
+        cooldown: DeclaredDuration::parse("60s").unwrap(),
+        drain_timeout: DeclaredDuration::parse("5s").unwrap(),
+        thresholds: vec![],
+        node: None,
+        apply_timeout: DeclaredDuration::parse("5m").unwrap(),
+    }
+}
+
+fn node(i: usize) -> NodeRow {
+    NodeRow {
+        id: format!("reads-n{i}"),
+        group_id: "g1".into(),
+        az: format!("az{}", i % 3 + 1),
+        seq: i as i64 + 1,
+        state: NodeState::Active,
+        private_ip: format!("127.93.0.{}", i + 1),
+        public_ip: None,
+        registered: true,
+        handle: serde_json::json!({"config_fingerprint": "0000000000000000"}),
+        created_at: 0,
+    }
+}
+
+/// Statements that `f` sends from this thread.
+fn counted<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = Store::statements_sent_here();
+    let out = f();
+    (out, Store::statements_sent_here() - before)
+}
+
+store_test!(
+    an_evaluation_reads_its_group_in_statements_that_do_not_grow_with_its_nodes,
+    |ts| {
+        let clouds = Clouds::new().with(
+            "local",
+            lbscale_cloud_local::drivers(lbscale_cloud_local::LocalSettings::default()),
+        );
+        let engine = Engine::open(&ts.url, &ts.dir, clouds).unwrap();
+        let store = engine.testing_store();
+        store
+            .insert_distributor(
+                "td-1",
+                &DistributorSpec {
+                    name: "reads-dns".into(),
+                    cloud: CloudName::Local,
+                    mode: DistributorMode::Dns,
+                    domain: Some("reads.lbscale.test".into()),
+                    ttl: DeclaredDuration::parse("1s").unwrap(),
+                },
+            )
+            .unwrap();
+        store.insert_group("g1", &spec(), "secret").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut costs = Vec::new();
+        for n in [2, 6] {
+            while store.nodes_of_group("g1").unwrap().len() < n {
+                let i = store.nodes_of_group("g1").unwrap().len();
+                store.insert_node(&node(i)).unwrap();
+            }
+            let (snap, read) = counted(|| rt.block_on(engine.group_snapshot("g1")).unwrap());
+            let snap = snap.expect("the group is there");
+            assert_eq!(snap.rows.len(), n);
+            assert!(!snap.deleting && snap.applying.is_none());
+            let (stale, checked) = counted(|| engine.stale_configurations_in(&snap).unwrap());
+            // Every node's fingerprint is a made-up one: all stale, all found.
+            assert_eq!(stale.len(), n, "{stale:?}");
+            // The check on its own (the CLI's, a resume's) reads the group,
+            // its configuration version, its distributor, its nodes and its
+            // vservers once each: 5, where it read the nodes and the
+            // distributor again per node (2 n + 4).
+            let (alone, cost) = counted(|| engine.stale_configurations("g1").unwrap());
+            assert_eq!(alone, stale);
+            assert_eq!(cost, 5, "{n} nodes");
+            let (spans, spanned) = counted(|| engine.vserver_spans_in(&snap).unwrap());
+            assert!(spans.is_empty(), "behind dns: no span");
+            costs.push((read, checked, spanned));
+        }
+        // The group row with its distributor and lease, then the nodes; the
+        // check reads the vservers (through the group's SE groups: none here);
+        // behind dns there is no span to read.
+        assert_eq!(costs, vec![(2, 1, 0), (2, 1, 0)]);
+    }
+);
