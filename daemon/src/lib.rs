@@ -15,10 +15,14 @@
 //!    (the one `lbscale simulate` uses);
 //! 2. takes its turn through the engine ([`lbscale_engine::daemon_api`]): the
 //!    daemon's claim on the group (a lease `daemon/<group id>` with a fencing
-//!    token, renewed while the evaluation and the AZs' workflows run: a second
-//!    daemon on the same store leaves the group alone, and takes it over one
-//!    claim TTL after the first one died), and the probe of the group's own
-//!    lease: while Terraform applies the group, it is skipped;
+//!    token, taken at the group's first evaluation and then renewed with all
+//!    the daemon's other claims by one task (`claims.rs`), and while the AZs'
+//!    workflows run: a second daemon on the same store leaves the group alone,
+//!    and takes it over one claim TTL after the first one died); then one
+//!    snapshot of the group and its nodes ([`lbscale_engine::daemon_api::GroupSnapshot`],
+//!    two statements) serves the rest of the evaluation, starting with the
+//!    probe of the group's own lease: while Terraform applies the group, it is
+//!    skipped;
 //! 3. resumes: the first time it evaluates the group, and whenever the store
 //!    shows work left half-done (a node provisioning, joining, draining or
 //!    deprovisioning, a member whose process is gone, an active node not
