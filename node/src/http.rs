@@ -21,11 +21,11 @@ use std::io::ErrorKind;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::cancel::Watch;
@@ -33,6 +33,7 @@ use crate::model::{VsState, Vserver};
 use crate::persist::Persistence;
 use crate::service::ServiceRt;
 use h1::{Chunked, Emit, Framing, HeadErr};
+use tokio_util::sync::CancellationToken;
 
 /// How long a client may take to send a request head, idle keep-alive time
 /// included (hyper's `header_read_timeout`, which the node used before).
@@ -88,6 +89,64 @@ impl Deadline {
     }
 }
 
+/// What ends a connection's exchanges at once: the node's kill, and the kill
+/// of the service an exchange is on (its drain timed out), as the L4 relay
+/// watches. A connection keeps one watch per service it has used, so that
+/// switching services costs no allocation per request. A service is held
+/// weakly: a removed one is not kept alive (its health checks and SOURCEIP
+/// entries end with it), and its address is not reused while held.
+struct Kills {
+    node: Watch,
+    services: Vec<(Weak<ServiceRt>, CancellationToken, Watch)>,
+    /// The watch of the service the current exchange is on.
+    cur: Option<usize>,
+}
+
+/// Service watches one connection keeps at most (more: all dropped, rare).
+const MAX_SERVICE_WATCHES: usize = 32;
+
+impl Kills {
+    /// Watches `rt`'s kill from now until [`Kills::none`].
+    fn on(&mut self, rt: &Arc<ServiceRt>) {
+        let at = Arc::as_ptr(rt);
+        let i = match self.services.iter().position(|(r, ..)| r.as_ptr() == at) {
+            // A cancelled token may have been replaced since (the service
+            // was enabled again): fetched anew.
+            Some(i) if self.services[i].1.is_cancelled() => {
+                let t = rt.kill_token();
+                self.services[i].2 = Watch::new(&t);
+                self.services[i].1 = t;
+                i
+            }
+            Some(i) => i,
+            None => {
+                if self.services.len() >= MAX_SERVICE_WATCHES {
+                    self.services.clear();
+                }
+                let t = rt.kill_token();
+                self.services
+                    .push((Arc::downgrade(rt), t.clone(), Watch::new(&t)));
+                self.services.len() - 1
+            }
+        };
+        self.cur = Some(i);
+    }
+
+    fn none(&mut self) {
+        self.cur = None;
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.node.poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        match self.cur {
+            Some(i) => self.services[i].2.poll(cx),
+            None => Poll::Pending,
+        }
+    }
+}
+
 /// Why a request's exchange with a service failed.
 enum Fail {
     /// Could not connect: another service may be tried.
@@ -119,6 +178,29 @@ struct Req {
     replayable: bool,
     /// COOKIE persistence: the service the cookie keeps it on, if it may.
     sticky: Option<usize>,
+}
+
+/// What the service's answer before the whole request body was sent means.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Early {
+    /// No answer: the body was all sent.
+    No,
+    /// A refusal (4xx, 5xx), or the service closed: the body stops there, and
+    /// both connections close after the response.
+    Stop,
+    /// Any other answer: the rest of the body follows alongside the
+    /// response; both connections close after it.
+    Continue,
+}
+
+/// Where a response's body is.
+struct RespBody<'a> {
+    framing: Framing,
+    /// Bytes left, for a `Content-Length` body.
+    left: &'a mut u64,
+    chunks: &'a mut Chunked,
+    /// A chunked body decoded (for an HTTP/1.0 client).
+    decode: bool,
 }
 
 /// What is left of a request's body to relay.
@@ -176,7 +258,9 @@ struct Conn<'v> {
     out: Vec<u8>,
     /// Bytes read from the service.
     upb: Vec<u8>,
-    kill: Watch,
+    /// Request body bytes the service has yet to take, after an early answer.
+    sbuf: Vec<u8>,
+    kill: Kills,
     closing: Watch,
     head_timer: Deadline,
     /// The request body's idle timeout while it is sent, then the response
@@ -208,7 +292,12 @@ pub async fn serve_conn(stream: TcpStream, client: IpAddr, vs: Arc<Vserver>) {
         ipos: 0,
         out: Vec::with_capacity(1024),
         upb: Vec::new(),
-        kill: Watch::new(&vs.kill),
+        sbuf: Vec::new(),
+        kill: Kills {
+            node: Watch::new(&vs.kill),
+            services: Vec::new(),
+            cur: None,
+        },
         closing: Watch::new(&vs.closing),
         head_timer: Deadline::new(),
         resp_timer: Deadline::new(),
@@ -401,7 +490,9 @@ impl Conn<'_> {
                 answered: false,
                 end: None,
             };
+            self.kill.on(&st.services[idx].rt);
             let r = self.exchange(&req, &mut flight, &mut body, &st, idx).await;
+            self.kill.none();
             let end = flight.end;
             drop(flight);
             match r {
@@ -479,27 +570,35 @@ impl Conn<'_> {
         let rt = flight.rt;
         let (mut up, mut reused) = self.upstream(rt, req.replayable).await?;
         self.upb.clear();
-        // The service answered before the whole body was sent.
-        let mut early = false;
+        let timeout = self.vs.limits.response_header_timeout;
+        // Whether the service answered before the whole body was sent.
+        let mut early = Early::No;
         if self.body_pending {
             early = self.send_body(&up, rt, req, body).await?;
         } else {
             loop {
-                match up.write_all(&self.out).await {
+                let Conn {
+                    out,
+                    kill,
+                    resp_timer,
+                    ..
+                } = self;
+                match write_bounded(&mut up, out, kill, resp_timer, timeout).await {
                     Ok(()) => break,
+                    Err(WriteErr::Killed) => return Err(Fail::Abort),
+                    Err(WriteErr::Idle) => return Err(Fail::Timeout),
                     // Sent again only if nothing of it can have been taken
                     // as a request that has effects.
-                    Err(_) if reused && req.replayable => {
+                    Err(WriteErr::Io) if reused && req.replayable => {
                         (up, reused) = self.fresh(rt).await?;
                     }
-                    Err(_) => return Err(Fail::Bad),
+                    Err(WriteErr::Io) => return Err(Fail::Bad),
                 }
             }
         }
 
         // The response head, informational responses skipped; its timeout
         // runs from the end of the request.
-        let timeout = self.vs.limits.response_header_timeout;
         self.resp_timer
             .set(Instant::now() + timeout, slack(timeout));
         let resp = loop {
@@ -546,9 +645,21 @@ impl Conn<'_> {
                 // have been acted on, and is answered 502.
                 _ if reused && req.replayable && self.upb.is_empty() => {
                     (up, reused) = self.fresh(rt).await?;
-                    if up.write_all(&self.out).await.is_err() {
-                        return Err(Fail::Bad);
+                    let Conn {
+                        out,
+                        kill,
+                        resp_timer,
+                        ..
+                    } = self;
+                    match write_bounded(&mut up, out, kill, resp_timer, timeout).await {
+                        Ok(()) => {}
+                        Err(WriteErr::Killed) => return Err(Fail::Abort),
+                        Err(WriteErr::Idle) => return Err(Fail::Timeout),
+                        Err(WriteErr::Io) => return Err(Fail::Bad),
                     }
+                    // The response header timeout runs from this request.
+                    self.resp_timer
+                        .set(Instant::now() + timeout, slack(timeout));
                 }
                 _ => {
                     tracing::debug!(service = %rt.name, "upstream closed before its response head");
@@ -566,10 +677,12 @@ impl Conn<'_> {
             Framing::Chunked if req.http10 => Framing::Close, // decoded, then closed
             f => f,
         };
-        // After an early answer the rest of the request body is not read:
-        // neither connection can take another request.
-        let keep =
-            req.keep_alive && !early && to_client != Framing::Close && !vs.closing.is_cancelled();
+        // After an early answer the request body may not be all sent (or
+        // read): neither connection takes another request.
+        let keep = req.keep_alive
+            && early == Early::No
+            && to_client != Framing::Close
+            && !vs.closing.is_cancelled();
         let out = &mut self.out;
         for (k, v) in [
             (&b"x-lbscale-node: "[..], vs.node_hv.as_bytes()),
@@ -600,38 +713,26 @@ impl Conn<'_> {
         };
         let mut chunks = Chunked::default();
         let decode = resp.body == Framing::Chunked && req.http10;
-        let mut reusable = resp.reusable && !early;
+        let mut reusable = resp.reusable && early == Early::No;
         let mut pos = resp.head_len;
-        let mut done =
-            self.take_body(resp.body, &mut pos, &mut left, &mut chunks, decode, flight)?;
+        let mut rb = RespBody {
+            framing: resp.body,
+            left: &mut left,
+            chunks: &mut chunks,
+            decode,
+        };
+        let done = self.take_body(&mut rb, &mut pos, flight)?;
         if pos < self.upb.len() && done {
             reusable = false; // bytes past the response: not a connection to reuse
         }
         self.write_client_out().await?;
-        while !done {
-            self.upb.clear();
-            if self.upb.capacity() < CHUNK {
-                self.upb.reserve(CHUNK);
-            }
-            let Conn { upb, kill, .. } = self;
-            let r = tokio::select! {
-                biased;
-                r = up.read_buf(upb) => r,
-                _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
-            };
-            match r {
-                Ok(n) if n > 0 => {}
-                _ if resp.body == Framing::Close => break,
-                // The service closed mid-body: the client's response is cut.
-                _ => return Err(Fail::Abort),
-            }
-            let mut pos = 0;
-            self.out.clear();
-            done = self.take_body(resp.body, &mut pos, &mut left, &mut chunks, decode, flight)?;
-            if pos < self.upb.len() {
-                reusable = false;
-            }
-            self.write_client_out().await?;
+        // After an early answer that did not refuse the body, the rest of
+        // the body goes to the service alongside the response.
+        let sending = early == Early::Continue && self.body_pending;
+        if !done || sending {
+            reusable &= self
+                .relay_rest(&mut up, rt, req, body, sending, &mut rb, done, flight)
+                .await?;
         }
         flight.end = Some(Instant::now());
         if reusable && !rt.is_draining() && rt.is_up() {
@@ -647,31 +748,28 @@ impl Conn<'_> {
     /// body's end.
     fn take_body(
         &mut self,
-        body: Framing,
+        rb: &mut RespBody<'_>,
         pos: &mut usize,
-        left: &mut u64,
-        chunks: &mut Chunked,
-        decode: bool,
         flight: &mut InFlight<'_>,
     ) -> Result<bool, Fail> {
         let avail = &self.upb[*pos..];
-        let (n, done) = match body {
+        let (n, done) = match rb.framing {
             Framing::None => (0, true),
             Framing::Length(_) => {
-                let n = (*left).min(avail.len() as u64) as usize;
-                *left -= n as u64;
+                let n = (*rb.left).min(avail.len() as u64) as usize;
+                *rb.left -= n as u64;
                 self.out.extend_from_slice(&avail[..n]);
-                (n, *left == 0)
+                (n, *rb.left == 0)
             }
             Framing::Chunked => {
-                let emit = if decode {
+                let emit = if rb.decode {
                     Emit::Data(&mut self.out)
                 } else {
                     Emit::Chunks(&mut self.out)
                 };
                 // A malformed body: the client's response is cut.
-                let n = chunks.feed(avail, emit).map_err(|_| Fail::Abort)?;
-                (n, chunks.done())
+                let n = rb.chunks.feed(avail, emit).map_err(|_| Fail::Abort)?;
+                (n, rb.chunks.done())
             }
             Framing::Close => {
                 self.out.extend_from_slice(avail);
@@ -682,6 +780,180 @@ impl Conn<'_> {
         self.vs.traffic.add_bytes(n);
         flight.resp_bytes += n as u64;
         Ok(done)
+    }
+
+    /// Relays what is left once the response head is sent: the response
+    /// body to the client and, when `sending` (an early answer that did not
+    /// refuse it), the rest of the request body to the service alongside,
+    /// each way only as the other side takes it. Ends the exchange (`Abort`)
+    /// when either side takes or sends nothing for the idle timeout (the
+    /// response-header timeout), when the client closes, or at a kill (the
+    /// node's, or the service's at the end of its drain). `Ok(clean)`: the
+    /// response ended where its framing says, with nothing after it.
+    #[allow(clippy::too_many_arguments)]
+    async fn relay_rest(
+        &mut self,
+        up: &mut TcpStream,
+        rt: &ServiceRt,
+        req: &Req,
+        body: &mut BodyLeft,
+        mut sending: bool,
+        rb: &mut RespBody<'_>,
+        mut done: bool,
+        flight: &mut InFlight<'_>,
+    ) -> Result<bool, Fail> {
+        let idle = self.vs.limits.response_header_timeout;
+        let slack = slack(idle);
+        self.resp_timer.set(Instant::now() + idle, slack);
+        let mut clean = true;
+        // `out` (to the client) is all written on entry; `sbuf[spos..]` is
+        // what the service has yet to take.
+        let mut cpos = self.out.len();
+        let mut spos = 0;
+        if !sending {
+            self.sbuf.clear();
+        }
+        // The client is watched for closing while nothing of its is buffered
+        // (bytes it sends meanwhile, a pipelined request, are kept).
+        let mut watch = !sending && self.ipos == self.inb.len();
+        loop {
+            let to_client = cpos < self.out.len();
+            let to_service = spos < self.sbuf.len();
+            if sending && !to_service && !self.body_pending {
+                sending = false; // the whole body is sent
+            }
+            if done && !to_client && !sending {
+                if clean {
+                    // A read that would block clears the service's read
+                    // readiness (a successful `try_read` leaves it set, and
+                    // the pool would take its idle connection for closed);
+                    // bytes past the response, or a close: not reused.
+                    let mut b = [0u8; 1];
+                    clean =
+                        matches!(up.try_read(&mut b), Err(e) if e.kind() == ErrorKind::WouldBlock);
+                }
+                return Ok(clean);
+            }
+            let read_up = !done && !to_client;
+            let read_client = if sending { !to_service } else { watch };
+            if read_up && self.upb.capacity() < CHUNK {
+                self.upb.reserve(CHUNK);
+            }
+            if read_client {
+                self.make_room();
+            }
+            let Conn {
+                client,
+                kill,
+                resp_timer,
+                ..
+            } = self;
+            let client = &*client;
+            let up_r = &*up;
+            let ev = tokio::select! {
+                biased;
+                _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
+                r = up_r.readable(), if read_up => r.map(|_| 0),
+                r = client.writable(), if to_client => r.map(|_| 1),
+                r = up_r.writable(), if to_service => r.map(|_| 2),
+                r = client.readable(), if read_client => r.map(|_| 3),
+                _ = poll_fn(|cx| resp_timer.poll(cx)) => {
+                    tracing::warn!(service = %rt.name, timeout_ms = idle.as_millis() as u64, "an L7 exchange idle too long; closed");
+                    return Err(Fail::Abort);
+                }
+            };
+            let progress = match ev {
+                Err(_) => return Err(Fail::Abort),
+                Ok(0) => {
+                    self.upb.clear();
+                    match up.try_read_buf(&mut self.upb) {
+                        Ok(n) if n > 0 => {
+                            self.out.clear();
+                            cpos = 0;
+                            let mut pos = 0;
+                            done = self.take_body(rb, &mut pos, flight)?;
+                            if pos < self.upb.len() {
+                                clean = false;
+                            }
+                            true
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+                        // Closed: the end of a body until close, else the
+                        // client's response is cut.
+                        _ if rb.framing == Framing::Close => {
+                            done = true;
+                            true
+                        }
+                        _ => return Err(Fail::Abort),
+                    }
+                }
+                Ok(1) => match self.client.try_write(&self.out[cpos..]) {
+                    Ok(n) => {
+                        cpos += n;
+                        true
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+                    Err(_) => return Err(Fail::Abort),
+                },
+                Ok(2) => match up.try_write(&self.sbuf[spos..]) {
+                    Ok(n) => {
+                        spos += n;
+                        true
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+                    // The service takes no more of the body: the response
+                    // goes on, the connections close after it.
+                    Err(_) => {
+                        sending = false;
+                        clean = false;
+                        self.sbuf.clear();
+                        spos = 0;
+                        true
+                    }
+                },
+                _ => match self.client.try_read_buf(&mut self.inb) {
+                    Ok(0) => return Err(Fail::Abort), // the client went away
+                    Ok(_) if sending => {
+                        self.sbuf.clear();
+                        spos = 0;
+                        let n = self.feed_body(req, body).map_err(|_| Fail::Abort)?;
+                        self.ipos += n;
+                        self.vs.traffic.add_bytes(n);
+                        n > 0
+                    }
+                    Ok(_) => {
+                        watch = false;
+                        false
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+                    Err(_) => return Err(Fail::Abort),
+                },
+            };
+            if progress {
+                self.resp_timer.set(Instant::now() + idle, slack);
+            }
+        }
+    }
+
+    /// Moves the request body bytes of `inb[ipos..]` into `sbuf` (a chunked
+    /// body written out again); how many were taken. `Err`: a malformed
+    /// chunked body.
+    fn feed_body(&mut self, req: &Req, body: &mut BodyLeft) -> Result<usize, ()> {
+        let avail = &self.inb[self.ipos..];
+        match req.body {
+            Framing::Length(_) => {
+                let n = body.left.min(avail.len() as u64) as usize;
+                body.left -= n as u64;
+                self.sbuf.extend_from_slice(&avail[..n]);
+                self.body_pending = body.left > 0;
+                Ok(n)
+            }
+            _ => {
+                let n = body.chunks.feed(avail, Emit::Chunks(&mut self.sbuf))?;
+                self.body_pending = !body.chunks.done();
+                Ok(n)
+            }
+        }
     }
 
     /// A new connection to the service, for a request that a reused one could
@@ -698,17 +970,21 @@ impl Conn<'_> {
 
     /// Sends `out` (the head and the body bytes that came with it) and the
     /// rest of the request body to the service, reading the client only as
-    /// the service takes it, and watching the service meanwhile: `Ok(true)`
-    /// when it answered (its bytes in `upb`) or closed before the whole body
-    /// was sent. Either way stalling for the response-header timeout ends
-    /// it: the client's side 408, the service's 504.
+    /// the service takes it, and watching the service meanwhile. Stalling
+    /// for the response-header timeout ends it: the client's side 408, the
+    /// service's 504. An answer of the service before the whole body was
+    /// sent counts once its final head is complete (interim ones dropped, a
+    /// head in pieces waited for): a refusal (4xx, 5xx) or the service
+    /// closing stops the body (`Early::Stop`); any other answer
+    /// (`Early::Continue`, what is unsent in `sbuf`) lets the rest of the
+    /// body follow alongside the response (RFC 9112 §9.3).
     async fn send_body(
         &mut self,
         up: &TcpStream,
         rt: &ServiceRt,
         req: &Req,
         body: &mut BodyLeft,
-    ) -> Result<bool, Fail> {
+    ) -> Result<Early, Fail> {
         let idle = self.vs.limits.response_header_timeout;
         let slack = slack(idle);
         self.resp_timer.set(Instant::now() + idle, slack);
@@ -716,6 +992,14 @@ impl Conn<'_> {
         // body bytes came with it (the client did not wait).
         let mut continued = !req.expect_continue || self.ipos < self.inb.len();
         let mut wpos = 0;
+        // What an early final answer means for the body.
+        let early = |status: u16, continued: bool| {
+            if status >= 400 || status == 0 || !continued {
+                Early::Stop
+            } else {
+                Early::Continue
+            }
+        };
         loop {
             if wpos < self.out.len() {
                 let Conn {
@@ -723,19 +1007,26 @@ impl Conn<'_> {
                     kill,
                     resp_timer,
                     upb,
+                    sbuf,
                     ..
                 } = self;
                 tokio::select! {
                     biased;
                     _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
                     r = up.readable() => {
-                        if r.is_err() || answered_early(up, upb) {
-                            return Ok(true);
+                        let st = if r.is_err() { Some(0) } else { answered_early(up, upb) };
+                        if let Some(st) = st {
+                            let e = early(st, continued);
+                            if e == Early::Continue {
+                                sbuf.clear();
+                                sbuf.extend_from_slice(&out[wpos..]);
+                            }
+                            return Ok(e);
                         }
                     }
                     r = up.writable() => {
                         if r.is_err() {
-                            return Ok(true); // its answer, if any, is read next
+                            return Ok(Early::Stop); // its answer, if any, is read next
                         }
                         match up.try_write(&out[wpos..]) {
                             Ok(n) => {
@@ -743,7 +1034,7 @@ impl Conn<'_> {
                                 resp_timer.set(Instant::now() + idle, slack);
                             }
                             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                            Err(_) => return Ok(true),
+                            Err(_) => return Ok(Early::Stop),
                         }
                     }
                     _ = poll_fn(|cx| resp_timer.poll(cx)) => {
@@ -754,12 +1045,26 @@ impl Conn<'_> {
                 continue;
             }
             if !self.body_pending {
-                return Ok(false);
+                return Ok(Early::No);
             }
             if !continued {
                 continued = true;
-                self.write_client_bytes(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    .await?;
+                let Conn {
+                    client,
+                    kill,
+                    resp_timer,
+                    ..
+                } = self;
+                write_bounded(
+                    client,
+                    b"HTTP/1.1 100 Continue\r\n\r\n",
+                    kill,
+                    resp_timer,
+                    idle,
+                )
+                .await
+                .map_err(|_| Fail::Abort)?;
+                self.resp_timer.set(Instant::now() + idle, slack);
             }
             self.out.clear();
             wpos = 0;
@@ -770,14 +1075,17 @@ impl Conn<'_> {
                 kill,
                 resp_timer,
                 upb,
+                sbuf,
                 ..
             } = self;
             let r = tokio::select! {
                 biased;
                 _ = poll_fn(|cx| kill.poll(cx)) => return Err(Fail::Abort),
                 r = up.readable() => {
-                    if r.is_err() || answered_early(up, upb) {
-                        return Ok(true);
+                    let st = if r.is_err() { Some(0) } else { answered_early(up, upb) };
+                    if let Some(st) = st {
+                        sbuf.clear();
+                        return Ok(early(st, continued));
                     }
                     continue;
                 }
@@ -789,45 +1097,31 @@ impl Conn<'_> {
                 _ => return Err(Fail::Abort), // the client went away mid-body
             }
             self.resp_timer.set(Instant::now() + idle, slack);
-            let avail = &self.inb[self.ipos..];
-            let n = match req.body {
-                Framing::Length(_) => {
-                    let n = body.left.min(avail.len() as u64) as usize;
-                    body.left -= n as u64;
-                    self.out.extend_from_slice(&avail[..n]);
-                    self.body_pending = body.left > 0;
-                    n
-                }
-                _ => {
-                    let n = body
-                        .chunks
-                        .feed(avail, Emit::Chunks(&mut self.out))
-                        .map_err(|_| Fail::BadRequest)?;
-                    self.body_pending = !body.chunks.done();
-                    n
-                }
-            };
+            // `out` is the service's part here: the body fed into it.
+            std::mem::swap(&mut self.out, &mut self.sbuf);
+            let r = self.feed_body(req, body);
+            std::mem::swap(&mut self.out, &mut self.sbuf);
+            let n = r.map_err(|_| Fail::BadRequest)?;
             self.ipos += n;
             self.vs.traffic.add_bytes(n);
         }
     }
 
     async fn write_client_out(&mut self) -> Result<(), Fail> {
+        let idle = self.vs.limits.response_header_timeout;
         let Conn {
-            client, out, kill, ..
+            client,
+            out,
+            kill,
+            resp_timer,
+            ..
         } = self;
         if out.is_empty() {
             return Ok(());
         }
-        tokio::select! {
-            biased;
-            r = client.write_all(out) => r.map_err(|_| Fail::Abort),
-            _ = poll_fn(|cx| kill.poll(cx)) => Err(Fail::Abort),
-        }
-    }
-
-    async fn write_client_bytes(&mut self, b: &[u8]) -> Result<(), Fail> {
-        self.client.write_all(b).await.map_err(|_| Fail::Abort)
+        write_bounded(client, out, kill, resp_timer, idle)
+            .await
+            .map_err(|_| Fail::Abort)
     }
 
     /// Answers the request itself (no service could). Returns as
@@ -895,22 +1189,77 @@ impl Conn<'_> {
 }
 
 /// After the service's side turned readable while a request body is sent:
-/// reads what it sent into `upb`. `true`: an answer (or the service closed),
-/// the body is sent no further; `false`: nothing after all, or only interim
-/// (1xx) responses, which are dropped.
-fn answered_early(up: &TcpStream, upb: &mut Vec<u8>) -> bool {
+/// reads what it sent into `upb`, interim (1xx) responses dropped. The status
+/// of a complete final head; `Some(0)` when the service closed or sent what
+/// is no head; `None` for nothing yet, or a head still in pieces.
+fn answered_early(up: &TcpStream, upb: &mut Vec<u8>) -> Option<u16> {
     if upb.capacity() - upb.len() < CHUNK / 2 {
         upb.reserve(CHUNK);
     }
     match up.try_read_buf(upb) {
-        Ok(0) => true,
+        Ok(0) => Some(0),
         Ok(_) => {
             while let Some(n) = h1::interim(upb) {
                 upb.drain(..n);
             }
-            !upb.is_empty()
+            if upb.is_empty() {
+                return None;
+            }
+            match h1::head_status(upb) {
+                None if upb.len() < MAX_RESPONSE_HEAD => None,
+                None => Some(0),
+                s => s,
+            }
         }
-        Err(e) if e.kind() == ErrorKind::WouldBlock => false,
-        Err(_) => true,
+        Err(e) if e.kind() == ErrorKind::WouldBlock => None,
+        Err(_) => Some(0),
     }
+}
+
+/// Why [`write_bounded`] failed.
+enum WriteErr {
+    Io,
+    Killed,
+    /// The peer took nothing for the idle timeout.
+    Idle,
+}
+
+/// Writes all of `buf` to `s`, bounded: a kill ends it, and so does a peer
+/// that takes nothing for `idle`. The timer is armed only once the socket's
+/// buffer is full, so that a write that goes at once reads no clock.
+async fn write_bounded(
+    s: &mut TcpStream,
+    buf: &[u8],
+    kill: &mut Kills,
+    timer: &mut Deadline,
+    idle: Duration,
+) -> Result<(), WriteErr> {
+    let mut pos = 0;
+    let mut armed = false;
+    poll_fn(|cx| {
+        while pos < buf.len() {
+            match Pin::new(&mut *s).poll_write(cx, &buf[pos..]) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Err(WriteErr::Io)),
+                Poll::Ready(Ok(n)) => {
+                    pos += n;
+                    armed = false; // progress: idle anew from the next stall
+                }
+                Poll::Pending => {
+                    if kill.poll(cx).is_ready() {
+                        return Poll::Ready(Err(WriteErr::Killed));
+                    }
+                    if !armed {
+                        armed = true;
+                        timer.set(Instant::now() + idle, slack(idle));
+                    }
+                    if timer.poll(cx).is_ready() {
+                        return Poll::Ready(Err(WriteErr::Idle));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    })
+    .await
 }

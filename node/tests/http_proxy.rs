@@ -979,3 +979,302 @@ async fn an_empty_forwarded_for_is_left_out() {
     assert_eq!(parts[0], "203.0.113.9", "{xff}");
     assert!(!parts[1].is_empty(), "{xff}");
 }
+
+/// A service that answers `Content-Length: 100` and 10 bytes of it, then
+/// stalls; `closed` is set when the node closes its side of the connection.
+async fn stalling_backend(addr: &str) -> Arc<AtomicU64> {
+    let l = TcpListener::bind(addr).await.unwrap();
+    let closed = Arc::new(AtomicU64::new(0));
+    let c = closed.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if until(&mut s, &mut buf, b"\r\n\r\n").await.is_none() {
+                    return;
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+                    .await;
+                // Stalls: reads only to see the node close the connection.
+                let mut tmp = [0u8; 1024];
+                let r = tokio::time::timeout(Duration::from_secs(60), async {
+                    loop {
+                        match s.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                    }
+                })
+                .await;
+                if r.is_ok() {
+                    c.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    closed
+}
+
+/// Reads from `s` until EOF or `n` bytes (EOF: true).
+async fn read_upto(s: &mut TcpStream, all: &mut Vec<u8>, n: usize) -> bool {
+    let mut tmp = [0u8; 4096];
+    while all.len() < n {
+        match s.read(&mut tmp).await {
+            Ok(0) | Err(_) => return true,
+            Ok(k) => all.extend_from_slice(&tmp[..k]),
+        }
+    }
+    false
+}
+
+/// Finding 1 of the second review: once a response head was relayed nothing
+/// was bounded; a service that stalls mid-body held the client (and its own
+/// connection, the task and its in-flight count) forever. An exchange idle
+/// for the response-header timeout is closed, both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_body_that_stops_coming_is_closed_at_the_idle_timeout() {
+    let closed = stalling_backend("127.77.83.100:8000").await;
+    let (_node, _dir, vip) = http_node(
+        "bodyidle",
+        "127.77.83.1",
+        "127.77.83.100:8000",
+        &["--response-header-timeout-ms", "700"],
+    )
+    .await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all).await;
+        let all = String::from_utf8_lossy(&all).to_string();
+        assert!(all.ends_with("\r\n\r\n0123456789"), "{all}");
+        wait_until(
+            "the service's connection closed",
+            Duration::from_secs(5),
+            || closed.load(Ordering::SeqCst) == 1,
+        )
+        .await;
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the stalled response closed within 10 s");
+}
+
+/// Finding 1: a client that closed mid-body was not noticed (hyper's server
+/// noticed): the service's connection stayed open. It is closed at once now
+/// (the response-header timeout, 60 s, is far away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_mid_body_frees_the_services_connection() {
+    let closed = stalling_backend("127.77.84.100:8000").await;
+    let (_node, _dir, vip) =
+        http_node("clientgone", "127.77.84.1", "127.77.84.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        until(&mut s, &mut buf, b"0123456789")
+            .await
+            .expect("the first bytes");
+        drop(s);
+        wait_until(
+            "the service's connection closed",
+            Duration::from_secs(8),
+            || closed.load(Ordering::SeqCst) == 1,
+        )
+        .await;
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the service's connection closed within 10 s");
+}
+
+/// Finding 1: a service's drain timeout closed its TCP connections but not
+/// its in-flight HTTP exchanges. It closes them too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_timeout_closes_in_flight_http_exchanges() {
+    let closed = stalling_backend("127.77.85.100:8000").await;
+    let _other = backend_at("127.77.85.101:8000").await;
+    let (_node, _dir, vip) = http_node(
+        "httpdrain",
+        "127.77.85.1",
+        "127.77.85.100:8000",
+        &["--service-drain-timeout-ms", "1000"],
+    )
+    .await;
+    let mut cl = api_client("127.77.85.1").await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut all = Vec::new();
+        until(&mut s, &mut all, b"0123456789")
+            .await
+            .expect("the first bytes");
+        // The stalling service is replaced: it drains, for 1 s.
+        cl.configure(NodeConfig {
+            version: 2,
+            vservers: vec![Vserver {
+                name: "web".into(),
+                service_type: ServiceType::Http as i32,
+                port: 8080,
+                lb_method: LbMethod::Roundrobin as i32,
+                persistence: "NONE".into(),
+                services: vec![Service {
+                    name: "c".into(),
+                    address: "127.77.85.101".into(),
+                    port: 8000,
+                    weight: 1,
+                    enabled: true,
+                    cap_per_second: None,
+                    custom_load: None,
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect("Configure");
+        assert!(read_upto(&mut s, &mut all, 1 << 20).await, "EOF expected");
+        wait_until(
+            "the service's connection closed",
+            Duration::from_secs(5),
+            || closed.load(Ordering::SeqCst) == 1,
+        )
+        .await;
+    };
+    tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the in-flight exchange closed at the drain timeout, within 10 s");
+}
+
+/// Finding 2 (a) of the second review: any early byte from the service
+/// stopped the request body, so that a service answering 200 at once and
+/// echoing the body as it comes got its first part only. After an early
+/// answer that is no refusal the body goes on alongside the response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_service_gets_the_whole_body_while_it_answers() {
+    let l = TcpListener::bind("127.77.86.100:8000").await.unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let Some(end) = until(&mut s, &mut buf, b"\r\n\r\n").await else {
+                    return;
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                let mut left: usize = header(&head, "content-length")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                buf.drain(..end);
+                if s.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let mut tmp = [0u8; 4096];
+                while left > 0 {
+                    if buf.is_empty() {
+                        match s.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    }
+                    let n = buf.len().min(left);
+                    let piece: Vec<u8> = buf.drain(..n).collect();
+                    left -= n;
+                    let mut c = format!("{n:x}\r\n").into_bytes();
+                    c.extend_from_slice(&piece);
+                    c.extend_from_slice(b"\r\n");
+                    if s.write_all(&c).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = s.write_all(b"0\r\n\r\n").await;
+            });
+        }
+    });
+    let (_node, _dir, vip) = http_node("stream", "127.77.86.1", "127.77.86.100:8000", &[]).await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nabc")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        until(&mut s, &mut buf, b"3\r\nabc\r\n")
+            .await
+            .expect("the first part echoed");
+        s.write_all(b"def").await.unwrap();
+        until(&mut s, &mut buf, b"3\r\ndef\r\n0\r\n\r\n")
+            .await
+            .expect("the second part echoed, and the end");
+        String::from_utf8_lossy(&buf).to_string()
+    };
+    let all = tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the whole body echoed within 10 s");
+    assert!(all.starts_with("HTTP/1.1 200 "), "{all}");
+}
+
+/// Finding 2 (b): a `100 Continue` in two TCP segments counted as an early
+/// final answer, and the request ended in 504. Only a complete final head
+/// is an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interim_answer_in_pieces_is_no_answer() {
+    let l = TcpListener::bind("127.77.87.100:8000").await.unwrap();
+    let sent = Arc::new(AtomicU64::new(0));
+    let sn = sent.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let sent = sn.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let Some(end) = until(&mut s, &mut buf, b"\r\n\r\n").await else {
+                    return;
+                };
+                let _ = s.write_all(b"HTTP/1.1 100 Con").await;
+                // Two segments: the node reads the first alone.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = s.write_all(b"tinue\r\n\r\n").await;
+                sent.store(1, Ordering::SeqCst);
+                if !fill(&mut s, &mut buf, end + 3).await {
+                    return;
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    let (_node, _dir, vip) = http_node(
+        "split100",
+        "127.77.87.1",
+        "127.77.87.100:8000",
+        &["--response-header-timeout-ms", "2000"],
+    )
+    .await;
+    let test = async {
+        let mut s = TcpStream::connect(&vip).await.unwrap();
+        s.write_all(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\n")
+            .await
+            .unwrap();
+        wait_until("the service's 100 Continue", Duration::from_secs(5), || {
+            sent.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        s.write_all(b"abc").await.unwrap();
+        let mut buf = Vec::new();
+        response(&mut s, &mut buf, false).await
+    };
+    let (st, head, body) = tokio::time::timeout(Duration::from_secs(10), test)
+        .await
+        .expect("the answer within 10 s");
+    assert_eq!((st, body.as_slice()), (200, &b"ok"[..]), "{head}");
+}

@@ -498,6 +498,18 @@ pub fn interim(buf: &[u8]) -> Option<usize> {
     }
 }
 
+/// The status of the complete response head at the start of `buf` (0 when it
+/// is malformed); `None` while it is incomplete.
+pub fn head_status(buf: &[u8]) -> Option<u16> {
+    let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut hs);
+    match resp.parse(buf) {
+        Ok(httparse::Status::Complete(_)) => Some(resp.code.unwrap_or(0)),
+        Ok(httparse::Status::Partial) => None,
+        Err(_) => Some(0),
+    }
+}
+
 /// The decimal digits of `n`.
 pub fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
