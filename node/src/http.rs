@@ -33,7 +33,6 @@ use crate::model::{VsState, Vserver};
 use crate::persist::Persistence;
 use crate::service::ServiceRt;
 use h1::{Chunked, Emit, Framing, HeadErr};
-use tokio_util::sync::CancellationToken;
 
 /// How long a client may take to send a request head, idle keep-alive time
 /// included (hyper's `header_read_timeout`, which the node used before).
@@ -93,13 +92,16 @@ impl Deadline {
 /// of the service an exchange is on (its drain timed out), as the L4 relay
 /// watches. A connection keeps one watch per service it has used, so that
 /// switching services costs no allocation per request. A service is held
-/// weakly: a removed one is not kept alive (its health checks and SOURCEIP
-/// entries end with it), and its address is not reused while held.
+/// weakly in that list: a removed one is not kept alive by it (its health
+/// checks and SOURCEIP entries end with it), and its address is not reused
+/// while held.
 struct Kills {
     node: Watch,
-    services: Vec<(Weak<ServiceRt>, CancellationToken, Watch)>,
-    /// The watch of the service the current exchange is on.
-    cur: Option<usize>,
+    /// Per service: its watch, and whether it was polled once (the waker
+    /// registered).
+    services: Vec<(Weak<ServiceRt>, Watch, bool)>,
+    /// The service the current exchange is on, and its watch.
+    cur: Option<(usize, Arc<ServiceRt>)>,
 }
 
 /// Service watches one connection keeps at most (more: all dropped, rare).
@@ -110,26 +112,17 @@ impl Kills {
     fn on(&mut self, rt: &Arc<ServiceRt>) {
         let at = Arc::as_ptr(rt);
         let i = match self.services.iter().position(|(r, ..)| r.as_ptr() == at) {
-            // A cancelled token may have been replaced since (the service
-            // was enabled again): fetched anew.
-            Some(i) if self.services[i].1.is_cancelled() => {
-                let t = rt.kill_token();
-                self.services[i].2 = Watch::new(&t);
-                self.services[i].1 = t;
-                i
-            }
             Some(i) => i,
             None => {
                 if self.services.len() >= MAX_SERVICE_WATCHES {
                     self.services.clear();
                 }
-                let t = rt.kill_token();
-                self.services
-                    .push((Arc::downgrade(rt), t.clone(), Watch::new(&t)));
+                let w = Watch::new(&rt.kill_token());
+                self.services.push((Arc::downgrade(rt), w, false));
                 self.services.len() - 1
             }
         };
-        self.cur = Some(i);
+        self.cur = Some((i, rt.clone()));
     }
 
     fn none(&mut self) {
@@ -137,13 +130,36 @@ impl Kills {
     }
 
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.node.poll(cx).is_ready() {
+        let Kills {
+            node,
+            services,
+            cur,
+        } = self;
+        if node.poll(cx).is_ready() {
             return Poll::Ready(());
         }
-        match self.cur {
-            Some(i) => self.services[i].2.poll(cx),
-            None => Poll::Pending,
+        let Some((i, rt)) = cur else {
+            return Poll::Pending;
+        };
+        let (_, w, polled) = &mut services[*i];
+        // Once its waker is registered, the watch is read only while the
+        // service drains (its kill comes only then): an atomic load at each
+        // wake-up rather than the token's lock.
+        if *polled && !rt.is_draining() {
+            return Poll::Pending;
         }
+        *polled = true;
+        if w.poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        // The token of an earlier drain, replaced since (the service was
+        // enabled again, and drains anew): the current one is watched.
+        let t = rt.kill_token();
+        if t.is_cancelled() {
+            return Poll::Ready(());
+        }
+        *w = Watch::new(&t);
+        w.poll(cx)
     }
 }
 
