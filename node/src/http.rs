@@ -8,11 +8,18 @@
 //!
 //! What keeps it safe in front of services that parse differently: a chunked
 //! body is written out again by the node (never forwarded as it came, its
-//! trailers left out, a malformed one refused); a request with both
-//! `Transfer-Encoding` and `Content-Length` is refused; only a bodiless GET,
-//! HEAD or OPTIONS is ever sent twice; a request body that stops coming is
-//! answered 408; a service's answer before the whole body was sent is relayed
-//! (and both connections closed after it).
+//! trailers left out, a malformed one refused) and its framing fields are
+//! the node's own both ways; a request with both `Transfer-Encoding` and
+//! `Content-Length`, or another coding than `chunked`, is refused; only a
+//! bodiless GET, HEAD or OPTIONS is ever sent twice; a request body that stops
+//! coming is answered 408; a service's complete answer before the whole body
+//! was sent is relayed (the body stopped if it refuses, else sent alongside;
+//! both connections closed after).
+//!
+//! What keeps it bounded: every wait of an exchange has a timeout (the
+//! response-header timeout, as an idle timeout once the head is relayed), the
+//! client is watched for closing while its response is relayed, and the
+//! node's kill and the service's drain kill end an exchange at once.
 
 mod h1;
 
