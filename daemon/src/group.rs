@@ -97,6 +97,8 @@ pub struct GroupRuntime {
     resumed: bool,
     /// Failed resumes in a row and when the next one is due.
     resume_backoff: ResumeBackoff,
+    /// The fencing token of the claim this memory was built under.
+    claim_fence: Option<i64>,
     /// Per (vserver id, AZ): the evaluations in a row that asked to move its
     /// span one way. A span changes after `watch_samples` of them, as the
     /// group itself scales only on a confirmed breach.
@@ -123,8 +125,21 @@ impl GroupRuntime {
             left_alone: false,
             resumed: false,
             resume_backoff: ResumeBackoff::default(),
+            claim_fence: None,
             span_streaks: HashMap::new(),
         }
+    }
+
+    /// The claim this daemon acts on the group under now. Under another
+    /// fencing token than before, the claim was lost meanwhile (another
+    /// daemon may have evaluated the group and scaled it): what this daemon
+    /// knew is stale and is forgotten, so that it resumes from what the store
+    /// persisted. Not while its own workflows run (they hold their AZ's lease).
+    fn claim_held(&mut self, fence: i64) {
+        if self.claim_fence.is_some_and(|f| f != fence) && !self.workflows_in_flight() {
+            self.forget();
+        }
+        self.claim_fence = Some(fence);
     }
 
     /// Whether the group is due: its requeue has come, or a workflow of one of
@@ -142,6 +157,7 @@ impl GroupRuntime {
     /// Forgets what this daemon knew, to start from the store if it takes the
     /// group (back) later.
     fn forget(&mut self) {
+        self.claim_fence = None;
         self.azs.clear();
         self.restored.clear();
         self.clients.clear();
@@ -401,6 +417,7 @@ fn take_turn(
         }
         Claim::Ours(claim) => {
             shared.keep_claim_anyway(&row.id);
+            rt.claim_held(claim.fence);
             Ok(Some(claim))
         }
         Claim::OtherDaemon { holder } => {
@@ -784,6 +801,18 @@ mod tests {
             error_backoff(Duration::from_secs(30), 4),
             Duration::from_secs(30)
         );
+    }
+
+    #[test]
+    fn a_claim_taken_again_under_another_fence_forgets_what_was_known() {
+        let mut rt = GroupRuntime::new();
+        rt.claim_held(7);
+        rt.resumed = true;
+        rt.claim_held(7);
+        assert!(rt.resumed, "the same claim: nothing forgotten");
+        rt.claim_held(9);
+        assert!(!rt.resumed, "lost and taken again: resumed from the store");
+        assert_eq!(rt.claim_fence, Some(9));
     }
 
     #[test]
