@@ -419,11 +419,14 @@ store_test!(
         let s = ts.open();
         let n = RENEW_BATCH + 44;
         let mut keys = Vec::new();
+        let mut taken = Vec::new();
         for i in 0..n {
             let id = format!("g{i}");
             group(&s, &id);
-            s.acquire_lease(&daemon_claim_key(&id), "daemon-a", Duration::from_secs(30))
-                .unwrap();
+            taken.push(
+                s.acquire_lease(&daemon_claim_key(&id), "daemon-a", Duration::from_secs(30))
+                    .unwrap(),
+            );
             keys.push(daemon_claim_key(&id));
         }
         // One claim another daemon took over, one released, one expired: not
@@ -453,6 +456,13 @@ store_test!(
         // Renewed for the new TTL, under the same fence.
         let l = renewed.iter().find(|l| l.group_id == keys[3]).unwrap();
         s.check_lease(l).unwrap();
+        assert_eq!(l.fence, taken[3].fence);
+        assert!(
+            l.expires_ms >= taken[3].expires_ms + 25_000,
+            "60 s from now, not the 30 s of the first take: {} vs {}",
+            l.expires_ms,
+            taken[3].expires_ms
+        );
         assert!(matches!(
             s.acquire_lease(&keys[3], "daemon-b", Duration::from_secs(1)),
             Err(StoreError::LeaseHeld { .. })
