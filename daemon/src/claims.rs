@@ -10,10 +10,16 @@
 //! it again. Whatever the daemon believes, every write under a claim is
 //! fenced in its own statement (the policy state, a span): a daemon that lost
 //! a claim without noticing writes nothing under it.
+//!
+//! A claim is renewed only while its group is looked after: an evaluation of
+//! it runs, or one took its turn with the claim within two thirds of its TTL.
+//! Claims of a daemon whose evaluations stopped (a wedged loop, every
+//! evaluation slot stuck) are left to expire, so other daemons take the
+//! groups over, as when the daemon dies.
 
 use crate::Shared;
 use lbscale_engine::store::Lease;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,12 +38,19 @@ struct Held {
     /// When the acquisition or the last successful renewal was sent: the
     /// claim is this daemon's until at least `renewed + ttl`.
     renewed: Instant,
+    /// When an evaluation last took its turn with it.
+    used: Instant,
 }
 
 impl Held {
     /// Renewed a third of its TTL ago or more.
     fn due(&self, now: Instant) -> bool {
         now >= self.renewed + self.ttl / 3
+    }
+    /// Used by an evaluation within two thirds of its TTL (more than three
+    /// stats intervals: a daemon behind its schedule keeps its groups).
+    fn looked_after(&self, now: Instant) -> bool {
+        now < self.used + self.ttl * 2 / 3
     }
     /// Surely this daemon's for a while yet (a third of its TTL at least).
     fn usable(&self, now: Instant) -> bool {
@@ -49,6 +62,20 @@ impl Held {
 #[derive(Default)]
 pub(crate) struct Claims {
     held: Mutex<HashMap<String, Held>>,
+    /// The groups whose evaluation runs now.
+    evaluating: Mutex<HashSet<String>>,
+}
+
+/// Marks a group's evaluation as running while it lives.
+pub(crate) struct Evaluating<'a> {
+    claims: &'a Claims,
+    group_id: String,
+}
+
+impl Drop for Evaluating<'_> {
+    fn drop(&mut self) {
+        self.claims.running().remove(&self.group_id);
+    }
 }
 
 impl Claims {
@@ -56,14 +83,31 @@ impl Claims {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn running(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.evaluating.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The group's evaluation runs until the guard is dropped: its claim is
+    /// renewed meanwhile, however long it takes (a resume that provisions).
+    pub fn evaluating(&self, group_id: &str) -> Evaluating<'_> {
+        self.running().insert(group_id.to_string());
+        Evaluating {
+            claims: self,
+            group_id: group_id.to_string(),
+        }
+    }
+
     /// The group's claim if this daemon holds it for `ttl` and it is surely
-    /// still its own.
+    /// still its own; the evaluation that gets it takes its turn with it.
     pub fn usable(&self, group_id: &str, ttl: Duration) -> Option<Lease> {
         let now = Instant::now();
         self.lock()
-            .get(group_id)
+            .get_mut(group_id)
             .filter(|h| h.ttl == ttl && h.usable(now))
-            .map(|h| h.lease.clone())
+            .map(|h| {
+                h.used = now;
+                h.lease.clone()
+            })
     }
 
     /// Records a claim just taken (the request was sent at `sent`).
@@ -74,6 +118,7 @@ impl Claims {
                 lease,
                 ttl,
                 renewed: sent,
+                used: sent,
             },
         );
     }
@@ -89,11 +134,13 @@ impl Claims {
         self.lock().len()
     }
 
-    /// The claims due for renewal, grouped by TTL.
+    /// The claims due for renewal, grouped by TTL: those of groups looked
+    /// after (see the module's docs).
     fn due(&self, now: Instant) -> HashMap<Duration, Vec<String>> {
+        let running = self.running().clone();
         let mut out: HashMap<Duration, Vec<String>> = HashMap::new();
         for (id, h) in self.lock().iter() {
-            if h.due(now) {
+            if h.due(now) && (h.looked_after(now) || running.contains(id)) {
                 out.entry(h.ttl).or_default().push(id.clone());
             }
         }
@@ -190,6 +237,36 @@ mod tests {
         assert!(!c.lock()["g"].usable(t0 + Duration::from_secs(20)));
         // Another TTL (the group's interval changed): taken again.
         assert!(c.usable("g", Duration::from_secs(60)).is_none());
+    }
+
+    #[test]
+    fn a_claim_is_renewed_while_its_group_is_looked_after_only() {
+        let c = Claims::default();
+        let ttl = Duration::from_secs(30);
+        let t0 = Instant::now();
+        for id in ["idle", "used", "long"] {
+            c.insert(id, lease(id, 1), ttl, t0);
+        }
+        let all = |t: Instant| {
+            let mut v = c.due(t).remove(&ttl).unwrap_or_default();
+            v.sort();
+            v
+        };
+        assert_eq!(all(t0 + Duration::from_secs(10)), ["idle", "long", "used"]);
+        // "used": an evaluation took its turn with it at 14 s; "long": its
+        // evaluation has run since before and still runs; "idle": neither.
+        c.lock().get_mut("used").unwrap().used = t0 + Duration::from_secs(14);
+        let running = c.evaluating("long");
+        assert_eq!(all(t0 + Duration::from_secs(21)), ["long", "used"]);
+        drop(running);
+        assert_eq!(all(t0 + Duration::from_secs(21)), ["used"]);
+        // Two thirds of a TTL after its last use, "used" is renewed no more.
+        assert!(all(t0 + Duration::from_secs(35)).is_empty());
+        // An evaluation that takes its turn with it marks it used again.
+        let before = c.lock()["idle"].used;
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(c.usable("idle", ttl).is_some());
+        assert!(c.lock()["idle"].used > before);
     }
 
     #[test]

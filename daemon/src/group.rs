@@ -193,6 +193,8 @@ pub async fn run(
     version: i64,
 ) {
     let started = now_ms();
+    // Its claim is renewed while it runs, however long (see `claims`).
+    let _evaluating = shared.claims.evaluating(&row.id);
     // Requeued by an earlier evaluation (not a first one, nor one brought
     // forward by a workflow's end): how late this one starts.
     if rt.next_eval_ms > 0 && started >= rt.next_eval_ms {
