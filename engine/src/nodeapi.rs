@@ -66,6 +66,7 @@ pub struct EngineCredentials {
     cert_pem: String,
     key_pem: String,
     issued: std::time::Instant,
+    issued_at: std::time::SystemTime,
 }
 
 impl std::fmt::Debug for EngineCredentials {
@@ -87,13 +88,18 @@ impl EngineCredentials {
             cert_pem,
             key_pem,
             issued: std::time::Instant::now(),
+            issued_at: std::time::SystemTime::now(),
         })
     }
 
     /// Issued less than an hour ago: far within its validity (a day either
-    /// side of its issue).
+    /// side of its issue). By both clocks: the monotonic one stands still
+    /// while the machine is suspended, the wall clock can be set back.
     pub fn fresh(&self) -> bool {
-        self.issued.elapsed() < ENGINE_CERT_REUSE
+        let wall = std::time::SystemTime::now()
+            .duration_since(self.issued_at)
+            .is_ok_and(|d| d < ENGINE_CERT_REUSE);
+        self.issued.elapsed() < ENGINE_CERT_REUSE && wall
     }
 }
 
@@ -226,4 +232,23 @@ fn chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn engine_credentials_are_fresh_for_an_hour_by_both_clocks() {
+        let mut c = EngineCredentials::issue("a group secret for the test").unwrap();
+        assert!(c.fresh());
+        // A machine suspended for two hours: the monotonic clock stood still.
+        c.issued_at = SystemTime::now() - Duration::from_secs(2 * 3600);
+        assert!(!c.fresh());
+        // The wall clock set back past the issue.
+        c.issued_at = SystemTime::now() + Duration::from_secs(60);
+        assert!(!c.fresh());
+        assert!(!format!("{c:?}").contains("PRIVATE KEY"));
+    }
 }
