@@ -608,14 +608,12 @@ impl Conn<'_> {
                 } = self;
                 match write_bounded(&mut up, out, kill, resp_timer, timeout).await {
                     Ok(()) => break,
-                    Err(WriteErr::Killed) => return Err(Fail::Abort),
-                    Err(WriteErr::Idle) => return Err(Fail::Timeout),
                     // Sent again only if nothing of it can have been taken
                     // as a request that has effects.
                     Err(WriteErr::Io) if reused && req.replayable => {
                         (up, reused) = self.fresh(rt).await?;
                     }
-                    Err(WriteErr::Io) => return Err(Fail::Bad),
+                    Err(e) => return Err(e.towards_service()),
                 }
             }
         }
@@ -674,12 +672,9 @@ impl Conn<'_> {
                         resp_timer,
                         ..
                     } = self;
-                    match write_bounded(&mut up, out, kill, resp_timer, timeout).await {
-                        Ok(()) => {}
-                        Err(WriteErr::Killed) => return Err(Fail::Abort),
-                        Err(WriteErr::Idle) => return Err(Fail::Timeout),
-                        Err(WriteErr::Io) => return Err(Fail::Bad),
-                    }
+                    write_bounded(&mut up, out, kill, resp_timer, timeout)
+                        .await
+                        .map_err(WriteErr::towards_service)?;
                     // The response header timeout runs from this request.
                     self.resp_timer
                         .set(Instant::now() + timeout, slack(timeout));
@@ -1245,6 +1240,18 @@ enum WriteErr {
     Killed,
     /// The peer took nothing for the idle timeout.
     Idle,
+}
+
+impl WriteErr {
+    /// What a failed write of the request to the service makes of the
+    /// exchange (towards the client, any failure closes: `Fail::Abort`).
+    fn towards_service(self) -> Fail {
+        match self {
+            WriteErr::Killed => Fail::Abort,
+            WriteErr::Idle => Fail::Timeout,
+            WriteErr::Io => Fail::Bad,
+        }
+    }
 }
 
 /// Writes all of `buf` to `s`, bounded: a kill ends it, and so does a peer
