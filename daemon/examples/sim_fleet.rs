@@ -320,6 +320,8 @@ fn server_config(node: &SimNode) -> Arc<rustls::ServerConfig> {
         )
         .unwrap();
     config.alpn_protocols = vec![b"h2".to_vec()];
+    // As a real node (node/src/api_tls.rs): one session ticket per handshake.
+    config.send_tls13_tickets = 1;
     let config = Arc::new(config);
     *cached = Some(config.clone());
     config

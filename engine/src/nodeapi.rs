@@ -4,12 +4,19 @@ use lbscale_proto::node_api_client::NodeApiClient;
 use lbscale_proto::{DrainRequest, NodeConfig, StatsRequest};
 /// What a node reports (re-exported for the daemon, the CLI and the tests).
 pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::HandshakeKind;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+use tonic::codegen::{http::Uri, BoxFuture, Context, Poll, Service};
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use tonic::transport::{Channel, Endpoint};
 
 pub mod auth;
+mod sessions;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the engine's client certificate for a group is used before a new
@@ -53,18 +60,20 @@ impl tonic::service::Interceptor for BearerToken {
 pub struct NodeClient {
     addr: String,
     inner: NodeApiClient<Authed>,
+    resumed: Arc<AtomicBool>,
 }
 
 /// What the engine shows a group's nodes and trusts them by: the group CA's
-/// certificate and an engine client certificate of that CA with its key.
-/// Deriving the CA and issuing a certificate cost more than a TLS handshake,
-/// so a caller that dials a group's nodes often (the daemon, at every sample)
-/// keeps one per group and issues it again once it is no longer
-/// [`EngineCredentials::fresh`]. `Debug` leaves the key out.
+/// certificate and an engine client certificate of that CA with its key, made
+/// into one TLS client configuration. Deriving the CA and issuing a
+/// certificate cost more than a TLS handshake, so a caller that dials a
+/// group's nodes often (the daemon, at every sample) keeps one per group and
+/// issues it again once it is no longer [`EngineCredentials::fresh`]. The
+/// configuration also keeps the session tickets the nodes give, so that the
+/// next connection to a node resumes its TLS session instead of checking
+/// certificates again. `Debug` leaves the key out.
 pub struct EngineCredentials {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
+    tls: Arc<rustls::ClientConfig>,
     issued: std::time::Instant,
     issued_at: std::time::SystemTime,
 }
@@ -72,7 +81,7 @@ pub struct EngineCredentials {
 impl std::fmt::Debug for EngineCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineCredentials")
-            .field("key_pem", &"<redacted>")
+            .field("key", &"<redacted>")
             .finish_non_exhaustive()
     }
 }
@@ -84,9 +93,7 @@ impl EngineCredentials {
         let ca = auth::GroupCa::derive(group_secret)?;
         let (cert_pem, key_pem) = ca.issue_engine()?;
         Ok(EngineCredentials {
-            ca_pem: ca.cert_pem(),
-            cert_pem,
-            key_pem,
+            tls: Arc::new(client_config(&ca.cert_pem(), &cert_pem, &key_pem)?),
             issued: std::time::Instant::now(),
             issued_at: std::time::SystemTime::now(),
         })
@@ -100,6 +107,73 @@ impl EngineCredentials {
             .duration_since(self.issued_at)
             .is_ok_and(|d| d < ENGINE_CERT_REUSE);
         self.issued.elapsed() < ENGINE_CERT_REUSE && wall
+    }
+}
+
+/// The engine's TLS client for a group's nodes: only the group CA is trusted,
+/// the engine's certificate is shown, gRPC's HTTP/2 is asked for, and the
+/// nodes' session tickets are kept for resumption, one per node
+/// ([`sessions::NodeSessions`]).
+fn client_config(
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<rustls::ClientConfig, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes())
+        .map_err(|e| format!("the group CA's certificate: {e}"))?;
+    roots
+        .add(ca)
+        .map_err(|e| format!("the group CA's certificate: {e}"))?;
+    let cert = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+        .map_err(|e| format!("the engine's certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| format!("the engine's key: {e}"))?;
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(vec![cert], key)
+        .map_err(|e| format!("the engine's certificate and key: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.resumption =
+        rustls::client::Resumption::store(Arc::new(sessions::NodeSessions::default()));
+    Ok(config)
+}
+
+/// Dials one node: TCP to its address, then TLS with the group's client
+/// configuration for the node's certificate name. The channel's connect
+/// timeout bounds both.
+#[derive(Clone)]
+struct NodeConnector {
+    addr: String,
+    tls: tokio_rustls::TlsConnector,
+    name: ServerName<'static>,
+    /// Whether the last handshake resumed a session.
+    resumed: Arc<AtomicBool>,
+}
+
+impl Service<Uri> for NodeConnector {
+    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+    type Error = std::io::Error;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let tcp = tokio::net::TcpStream::connect(&this.addr).await?;
+            tcp.set_nodelay(true)?;
+            let tls = this.tls.connect(this.name, tcp).await?;
+            let kind = tls.get_ref().1.handshake_kind();
+            this.resumed
+                .store(kind == Some(HandshakeKind::Resumed), Ordering::Relaxed);
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        })
     }
 }
 
@@ -134,17 +208,21 @@ impl NodeClient {
             addr: addr.clone(),
             detail,
         };
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&creds.ca_pem))
-            .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
-            .domain_name(auth::node_name(node_id));
-        let channel = Channel::from_shared(format!("https://{addr}"))
+        let name = ServerName::try_from(auth::node_name(node_id))
+            .map_err(|e| unreachable(format!("node name: {e}")))?;
+        let resumed = Arc::new(AtomicBool::new(false));
+        let connector = NodeConnector {
+            addr: addr.clone(),
+            tls: tokio_rustls::TlsConnector::from(creds.tls.clone()),
+            name,
+            resumed: resumed.clone(),
+        };
+        // `http`: the connector does the TLS, not tonic.
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| unreachable(e.to_string()))?
-            .tls_config(tls)
-            .map_err(|e| unreachable(chain(&e)))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(CALL_TIMEOUT)
-            .connect()
+            .connect_with_connector(connector)
             .await
             .map_err(|e| {
                 unreachable(format!(
@@ -159,7 +237,15 @@ impl NodeClient {
         Ok(NodeClient {
             inner: NodeApiClient::with_interceptor(channel, BearerToken(value)),
             addr,
+            resumed,
         })
+    }
+
+    /// Whether the connection's TLS handshake resumed a session of the same
+    /// credentials with this node (no certificates checked again), rather
+    /// than a full handshake.
+    pub fn resumed_session(&self) -> bool {
+        self.resumed.load(Ordering::Relaxed)
     }
 
     fn refused(&self, call: &'static str, s: tonic::Status) -> NodeApiError {

@@ -32,6 +32,10 @@ pub fn server_config(ca: &Path, cert: &Path, key: &Path) -> anyhow::Result<rustl
         .map_err(|e| anyhow!("--tls-cert {} and --tls-key: {e}", cert.display()))?;
     // gRPC is HTTP/2.
     config.alpn_protocols = vec![b"h2".to_vec()];
+    // The engine resumes with the newest ticket per node and asks again at
+    // every connection: one ticket per handshake is all it uses, and each
+    // one takes a place in the session cache (rustls's, 256 sessions).
+    config.send_tls13_tickets = 1;
     Ok(config)
 }
 

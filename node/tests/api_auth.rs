@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use lbscale_engine::nodeapi::auth::{self, GroupCa};
-use lbscale_engine::nodeapi::NodeClient;
+use lbscale_engine::nodeapi::{EngineCredentials, NodeClient};
 use lbscale_proto::StatsRequest;
 
 /// `serve` for node `node` of the test group on `listen`, API port `port`,
@@ -204,4 +204,53 @@ async fn the_engine_refuses_a_node_that_is_not_its_node() {
         .await
         .expect("Configure");
     assert_eq!(configured, 7);
+}
+
+/// The engine keeps one TLS client per group's credentials, so a second
+/// connection to a node resumes its session instead of checking certificates
+/// again; a resumed session still needs the node's token, another node's name
+/// gets no session to resume, and a node that restarted (its sessions gone) is
+/// dialled with a full handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_connection_resumes_the_session_and_still_checks_name_and_token() {
+    const NODE: &str = "web-az1-1-7777";
+    let (ip, port) = ("127.77.20.6", 7070);
+    let node = start("tls-resume", NODE, ip, port, &[]);
+    let creds = EngineCredentials::issue(SECRET).unwrap();
+    let mut first = NodeClient::connect_with(&creds, ip, port, NODE, SECRET)
+        .await
+        .expect("first connection");
+    // The node's session tickets come after the handshake, before an answer.
+    first.stats().await.expect("stats on the first connection");
+    assert!(!first.resumed_session(), "nothing to resume yet");
+
+    let mut second = NodeClient::connect_with(&creds, ip, port, NODE, SECRET)
+        .await
+        .expect("second connection");
+    assert!(second.resumed_session(), "the second connection did not resume");
+    assert_eq!(second.stats().await.expect("stats, resumed").node_id, NODE);
+
+    // Same credentials, a wrong token: the session resumes, the call is refused.
+    let mut wrong = NodeClient::connect_with(&creds, ip, port, NODE, &"f".repeat(64))
+        .await
+        .expect("resumed connection");
+    assert!(wrong.resumed_session());
+    let e = wrong.stats().await.expect_err("a wrong token was taken");
+    assert!(e.to_string().contains("Unauthenticated"), "{e}");
+
+    // Another node's name at this address: no session for it, and the
+    // certificate is refused.
+    let e = match NodeClient::connect_with(&creds, ip, port, "web-az1-2-6666", SECRET).await {
+        Ok(_) => panic!("the engine took node {NODE} for web-az1-2-6666"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("certificate"), "{e}");
+
+    drop(node);
+    let _node = start("tls-resume", NODE, ip, port, &[]);
+    let mut after = NodeClient::connect_with(&creds, ip, port, NODE, SECRET)
+        .await
+        .expect("connection after the node's restart");
+    assert!(!after.resumed_session(), "resumed a session the node forgot");
+    assert_eq!(after.stats().await.expect("stats after restart").node_id, NODE);
 }
