@@ -227,7 +227,10 @@ async fn a_second_connection_resumes_the_session_and_still_checks_name_and_token
     let mut second = NodeClient::connect_with(&creds, ip, port, NODE, SECRET)
         .await
         .expect("second connection");
-    assert!(second.resumed_session(), "the second connection did not resume");
+    assert!(
+        second.resumed_session(),
+        "the second connection did not resume"
+    );
     assert_eq!(second.stats().await.expect("stats, resumed").node_id, NODE);
 
     // Same credentials, a wrong token: the session resumes, the call is refused.
@@ -251,6 +254,12 @@ async fn a_second_connection_resumes_the_session_and_still_checks_name_and_token
     let mut after = NodeClient::connect_with(&creds, ip, port, NODE, SECRET)
         .await
         .expect("connection after the node's restart");
-    assert!(!after.resumed_session(), "resumed a session the node forgot");
-    assert_eq!(after.stats().await.expect("stats after restart").node_id, NODE);
+    assert!(
+        !after.resumed_session(),
+        "resumed a session the node forgot"
+    );
+    assert_eq!(
+        after.stats().await.expect("stats after restart").node_id,
+        NODE
+    );
 }
