@@ -287,7 +287,7 @@ pub async fn evaluate(
     }
     // Before the resume: a resume that failed on the distributor waits for
     // its back-off, but what the distributor serves is checked every interval.
-    settle_publication(shared, row, interval);
+    settle_publication(shared, row, &snap, interval);
     let snap = match resume(shared, rt, row, now, &snap).await? {
         Resumed::Stop => return Ok(Next::Requeue(interval)),
         Resumed::Settled => snap,
@@ -471,13 +471,23 @@ async fn finish_deletion(
 /// interval per distributor, what it serves (as its driver confirmed) is
 /// compared with what the store says it must hand out, and published again
 /// when they differ, so a publication that failed (a throttled or unwritable
-/// distributor) is retried until it holds. In a task of its own: a publication
-/// may wait for the distributor's lease or for the cloud to confirm it, and
-/// that must not hold up the group's AZs; a failure is reported and tried
-/// again at the next check.
-fn settle_publication(shared: &Arc<Shared>, row: &Row<GroupSpec>, interval: Duration) {
+/// distributor) is retried until it holds. A `dns` distributor of this group
+/// only is compared from the evaluation's snapshot, with no statement of its
+/// own; any other, or one that differs, in a task of its own that reads it
+/// again: a publication may wait for the distributor's lease or for the cloud
+/// to confirm it, and that must not hold up the group's AZs; a failure is
+/// reported and tried again at the next check.
+fn settle_publication(
+    shared: &Arc<Shared>,
+    row: &Row<GroupSpec>,
+    snap: &GroupSnapshot,
+    interval: Duration,
+) {
     let distributor = row.spec.traffic_distributor_id.clone();
     if !shared.publication_check_due(&distributor, interval) {
+        return;
+    }
+    if let Ok(Some(true)) = shared.engine.publication_settled_in(snap) {
         return;
     }
     let (shared, id, name) = (shared.clone(), row.id.clone(), row.spec.name.clone());

@@ -10,7 +10,7 @@
 //! run at once; the store makes an AZ lease and the group's lease of another
 //! holder exclude each other, so an apply never acts with the daemon on an AZ.
 
-use crate::model::GroupSpec;
+use crate::model::{DistributorSpec, GroupSpec, VserverSpec};
 use crate::reconcile::{EngineError, GroupView, KeptLease, Result, SpanView};
 use crate::store::{daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError};
 use crate::Engine;
@@ -37,8 +37,9 @@ pub enum Claim {
 }
 
 /// What one evaluation of the daemon reads of a group: the group's row with
-/// its distributor and who holds the group's lease (one statement), and its
-/// nodes (one more), as [`Engine::group_snapshot`] read them.
+/// its distributor, what the distributor serves, how many groups use it and
+/// who holds the group's lease (one statement), its nodes (one more) and its
+/// vservers (one more), as [`Engine::group_snapshot`] read them.
 pub struct GroupSnapshot {
     pub row: Row<GroupSpec>,
     pub version: i64,
@@ -50,8 +51,14 @@ pub struct GroupSnapshot {
     pub applying: Option<String>,
     pub view: GroupView,
     pub rows: Vec<NodeRow>,
+    vservers: Vec<Row<VserverSpec>>,
     config_version: u64,
     behind_nlb: bool,
+    distributor: Option<DistributorSpec>,
+    /// What the distributor serves, as stored.
+    served: Option<String>,
+    /// The groups that use the distributor, this one included.
+    distributor_groups: i64,
 }
 
 impl Engine {
@@ -62,6 +69,7 @@ impl Engine {
             return Ok(None);
         };
         let rows = self.store.nodes_of_group(group_id)?;
+        let vservers = self.store.vservers_of_group(group_id)?;
         let view = self.view_of(rec.row.clone(), rows.clone()).await?;
         Ok(Some(GroupSnapshot {
             behind_nlb: rec
@@ -75,13 +83,35 @@ impl Engine {
             config_version: rec.config_version,
             view,
             rows,
+            vservers,
+            distributor: rec.distributor,
+            served: rec.served,
+            distributor_groups: rec.distributor_groups,
         }))
     }
 
     /// [`Engine::stale_configurations`] of the snapshot's group, from the
-    /// nodes it read (only the vservers are read here).
+    /// nodes and vservers it read (nothing is read here behind `dns`).
     pub fn stale_configurations_in(&self, s: &GroupSnapshot) -> Result<Vec<String>> {
-        self.stale_among(&s.row, s.config_version, s.behind_nlb, &s.rows)
+        self.stale_among(
+            &s.row,
+            s.config_version,
+            s.behind_nlb,
+            &s.rows,
+            s.vservers.clone(),
+        )
+    }
+
+    /// Whether the group's distributor serves what the store says it must,
+    /// told from the snapshot alone (no statement): `Some` for a `dns`
+    /// distributor of this group only, the common case; `None` when the
+    /// snapshot cannot tell (the distributor has other groups, or is an
+    /// `nlb`, or is gone), and [`Engine::settle_publication`] must read it.
+    pub fn publication_settled_in(&self, s: &GroupSnapshot) -> Result<Option<bool>> {
+        let Some(distributor) = s.distributor.as_ref().filter(|_| s.distributor_groups == 1) else {
+            return Ok(None);
+        };
+        Engine::dns_publication_settled(distributor, s.served.clone(), &s.row, &s.vservers, &s.rows)
     }
 
     /// [`Engine::vserver_spans`] of the snapshot's group (nothing is read

@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 8;
+pub const SCHEMA_VERSION: i64 = 9;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -111,6 +111,12 @@ const MIGRATIONS: &[&str] = &[
     // [`Store::next_config_fence`]).
     r#"
     ALTER TABLE groups ADD COLUMN config_fence INTEGER NOT NULL DEFAULT 0;
+    "#,
+    // 8 -> 9: a distributor's groups by index: every evaluation asks whether
+    // its group's distributor has other groups (see [`Store::group_record`]),
+    // and a store may hold 10,000 groups.
+    r#"
+    CREATE INDEX groups_by_distributor ON groups (distributor_id);
     "#,
 ];
 
@@ -427,6 +433,11 @@ pub struct GroupRecord {
     pub config_version: u64,
     /// Its distributor's spec (None: the distributor is gone).
     pub distributor: Option<DistributorSpec>,
+    /// What the distributor's driver last confirmed it serves (the JSON of
+    /// `reconcile::distributors`'s `Served`), if anything.
+    pub served: Option<String>,
+    /// How many groups use the group's distributor, this one included.
+    pub distributor_groups: i64,
     /// Who holds the group's own lease now, if anyone.
     pub lease_holder: Option<String>,
 }
@@ -1148,7 +1159,9 @@ impl Store {
             c.one(
                 &format!(
                     "SELECT g.id, g.spec, g.version, g.deleting, g.config_version, d.spec,
-                       (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS})
+                       (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS}),
+                       d.served,
+                       (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id)
                      FROM groups g LEFT JOIN distributors d ON d.id = g.distributor_id
                      WHERE g.id = ?1"
                 ),
@@ -1169,6 +1182,8 @@ impl Store {
                     .map(|s| decode("traffic distributor", &s))
                     .transpose()?,
                 lease_holder: r.opt_text(6)?,
+                served: r.opt_text(7)?,
+                distributor_groups: r.int(8)?,
             })
         })
         .transpose()

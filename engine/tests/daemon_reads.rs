@@ -98,11 +98,23 @@ store_test!(
             assert_eq!(cost, 5, "{n} nodes");
             let (spans, spanned) = counted(|| engine.vserver_spans_in(&snap).unwrap());
             assert!(spans.is_empty(), "behind dns: no span");
-            costs.push((read, checked, spanned));
+            // The distributor has served nothing yet: not settled, told from
+            // the snapshot.
+            let (settled, compared) = counted(|| engine.publication_settled_in(&snap).unwrap());
+            assert_eq!(settled, Some(false));
+            costs.push((read, checked, spanned, compared));
         }
-        // The group row with its distributor and lease, then the nodes; the
-        // check reads the vservers (through the group's SE groups: none here);
-        // behind dns there is no span to read.
-        assert_eq!(costs, vec![(2, 1, 0), (2, 1, 0)]);
+        // The group row with its distributor, what that serves and its lease,
+        // then the nodes, then the vservers (through the group's SE groups:
+        // none here); the check and the publication's comparison read
+        // nothing more, and behind dns there is no span to read.
+        assert_eq!(costs, vec![(3, 0, 0, 0), (3, 0, 0, 0)]);
+
+        // A distributor of two groups: the snapshot of one cannot tell.
+        let mut other = spec();
+        other.name = "reads-2".into();
+        store.insert_group("g2", &other, "secret").unwrap();
+        let snap = rt.block_on(engine.group_snapshot("g1")).unwrap().unwrap();
+        assert_eq!(engine.publication_settled_in(&snap).unwrap(), None);
     }
 );

@@ -747,6 +747,9 @@ async fn a_dead_node_leaves_dns_once_the_distributor_can_be_written_again() {
     let row = s.rows().into_iter().find(|n| n.id == dead.id);
     let row = row.expect("the dead node's row stays until DNS is without it");
     assert_eq!((row.state, row.registered), (NodeState::Failed, false));
+    // The daemon's comparison from an evaluation's snapshot sees it too.
+    let snap = s.engine.group_snapshot(&s.group).await.unwrap().unwrap();
+    assert_eq!(s.engine.publication_settled_in(&snap).unwrap(), Some(false));
 
     std::fs::remove_dir(&config).unwrap();
     std::fs::write(&config, saved).unwrap();
@@ -758,6 +761,8 @@ async fn a_dead_node_leaves_dns_once_the_distributor_can_be_written_again() {
     assert!(!s.published().contains(&dead.private_ip), "out of DNS");
     assert!(s.rows().iter().all(|n| n.id != dead.id), "row forgotten");
     assert!(!s.engine.settle_publication(&s.distributor).await.unwrap());
+    let snap = s.engine.group_snapshot(&s.group).await.unwrap().unwrap();
+    assert_eq!(s.engine.publication_settled_in(&snap).unwrap(), Some(true));
     s.assert_consistent("after the dead node left");
 }
 

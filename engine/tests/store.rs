@@ -154,7 +154,7 @@ store_test!(
         }
         // Back to what version 1 wrote: no policy_state table.
         ts.raw(
-            "ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; DROP TABLE policy_state; DROP TABLE vserver_spans; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
+            "DROP INDEX groups_by_distributor; ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; DROP TABLE policy_state; DROP TABLE vserver_spans; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '1' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert!(
@@ -272,7 +272,7 @@ store_test!(
         }
         // Back to what version 3 wrote: groups without a row version.
         ts.raw(
-            "ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '3' WHERE key = 'schema_version';",
+            "DROP INDEX groups_by_distributor; ALTER TABLE groups DROP COLUMN config_fence; ALTER TABLE groups DROP COLUMN deleting; ALTER TABLE distributors DROP COLUMN served; DROP INDEX events_by_age; ALTER TABLE events DROP COLUMN count; ALTER TABLE events DROP COLUMN last_ms; ALTER TABLE groups DROP COLUMN version; UPDATE meta SET value = '3' WHERE key = 'schema_version';",
         );
         let s = ts.open();
         assert_eq!(s.group_versions().unwrap(), vec![("g1".to_string(), 1)]);

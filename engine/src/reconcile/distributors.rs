@@ -154,48 +154,40 @@ impl Engine {
         Ok(true)
     }
 
+    /// Whether what the distributor serves (`served`, as stored) is what it
+    /// must hand out when its only group is `group`, with these vservers and
+    /// stored nodes (what an evaluation of the daemon read already); `None`
+    /// when the inputs cannot tell: an `nlb` (its port targets need the
+    /// placements). Nothing is read.
+    pub(crate) fn dns_publication_settled(
+        distributor: &DistributorSpec,
+        served: Option<String>,
+        group: &Row<GroupSpec>,
+        vservers: &[Row<VserverSpec>],
+        nodes: &[NodeRow],
+    ) -> Result<Option<bool>> {
+        if distributor.mode != DistributorMode::Dns {
+            return Ok(None);
+        }
+        let mut publication = Publication::default();
+        add_group(&mut publication, group, vservers, nodes, true);
+        let wanted = Served {
+            spec: distributor.clone(),
+            publication,
+        };
+        Ok(Some(Self::served_from(served)?.as_ref() == Some(&wanted)))
+    }
+
     /// What the distributor must hand out now: every registered node of every group
     /// that uses it, and the ports of the vservers placed on those groups.
     fn publication_of(&self, row: &Row<DistributorSpec>) -> Result<Publication> {
         let mut p = Publication::default();
-        // Clients resolve a `dns` distributor's name to the nodes' public
-        // addresses (where the cloud gives them one); an `nlb` reaches them on
-        // their private ones.
         let dns = row.spec.mode == DistributorMode::Dns;
         let nlb = row.spec.mode == DistributorMode::Nlb;
         for g in self.store.groups_of_distributor(&row.id)? {
             let vservers = self.store.vservers_of_group(&g.id)?;
-            let mut ports: Vec<u16> = vservers
-                .iter()
-                .filter(|v| v.spec.service_type != "UDP")
-                .map(|v| v.spec.port as u16)
-                .collect();
-            ports.sort_unstable();
-            ports.dedup();
-            for az in &g.spec.availability_zones {
-                if let Some(subnet) = g.spec.node.as_ref().and_then(|n| n.subnet_for(az)) {
-                    p.subnets
-                        .entry(az.clone())
-                        .or_default()
-                        .insert(subnet.to_string());
-                }
-                p.endpoints.entry(az.clone()).or_default();
-                let e = p.ports.entry(az.clone()).or_default();
-                e.extend(&ports);
-                e.sort_unstable();
-                e.dedup();
-            }
             let nodes = self.store.nodes_of_group(&g.id)?;
-            let registered: Vec<&NodeRow> = nodes.iter().filter(|n| n.registered).collect();
-            for n in &registered {
-                p.endpoints
-                    .entry(n.az.clone())
-                    .or_default()
-                    .push(match (&n.public_ip, dns) {
-                        (Some(public), true) => public.clone(),
-                        _ => n.private_ip.clone(),
-                    });
-            }
+            let registered = add_group(&mut p, &g, &vservers, &nodes, dns);
             if nlb {
                 self.add_port_targets(&mut p, &g, &registered, vservers)?;
             }
@@ -293,4 +285,48 @@ impl Engine {
             .set_served_publication_under(turn.lease(), distributor_id, &served)?;
         Ok(())
     }
+}
+
+/// Adds one group of the distributor to `p`: its AZs' subnets, the ports of
+/// its vservers (UDP has no port to forward), and its registered nodes'
+/// addresses, public ones behind `dns` (where the cloud gives them) and
+/// private ones behind an `nlb`. Returns those nodes.
+fn add_group<'a>(
+    p: &mut Publication,
+    g: &Row<GroupSpec>,
+    vservers: &[Row<VserverSpec>],
+    nodes: &'a [NodeRow],
+    dns: bool,
+) -> Vec<&'a NodeRow> {
+    let mut ports: Vec<u16> = vservers
+        .iter()
+        .filter(|v| v.spec.service_type != "UDP")
+        .map(|v| v.spec.port as u16)
+        .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    for az in &g.spec.availability_zones {
+        if let Some(subnet) = g.spec.node.as_ref().and_then(|n| n.subnet_for(az)) {
+            p.subnets
+                .entry(az.clone())
+                .or_default()
+                .insert(subnet.to_string());
+        }
+        p.endpoints.entry(az.clone()).or_default();
+        let e = p.ports.entry(az.clone()).or_default();
+        e.extend(&ports);
+        e.sort_unstable();
+        e.dedup();
+    }
+    let registered: Vec<&NodeRow> = nodes.iter().filter(|n| n.registered).collect();
+    for n in &registered {
+        p.endpoints
+            .entry(n.az.clone())
+            .or_default()
+            .push(match (&n.public_ip, dns) {
+                (Some(public), true) => public.clone(),
+                _ => n.private_ip.clone(),
+            });
+    }
+    registered
 }

@@ -288,21 +288,23 @@ impl Engine {
         let version = self.store.config_version(group_id)?;
         let nlb = self.behind_nlb(&group.spec)?;
         let nodes = self.store.nodes_of_group(group_id)?;
-        self.stale_among(&group, version, nlb, &nodes)
+        let vservers = self.store.vservers_of_group(group_id)?;
+        self.stale_among(&group, version, nlb, &nodes, vservers)
     }
 
     /// [`Engine::stale_configurations`] of `group` whose configuration version
-    /// is `version` and stored nodes `nodes`, behind an `nlb` or not (what the
-    /// caller read already): reads only the vservers (and, behind an `nlb`,
-    /// their placements), once for all the nodes.
+    /// is `version`, stored nodes `nodes` and vservers `vservers`, behind an
+    /// `nlb` or not (what the caller read already): reads nothing more, but
+    /// behind an `nlb` the placements, once for all the nodes.
     pub(crate) fn stale_among(
         &self,
         group: &Row<GroupSpec>,
         version: u64,
         nlb: bool,
         nodes: &[NodeRow],
+        vservers: Vec<Row<VserverSpec>>,
     ) -> Result<Vec<String>> {
-        let base = node_config_of(self.store.vservers_of_group(&group.id)?, version);
+        let base = node_config_of(vservers, version);
         let staying: Vec<&NodeRow> = nodes.iter().filter(|m| m.state.is_member()).collect();
         let placements = if nlb {
             self.placements_behind_nlb(group, &staying)?
