@@ -93,7 +93,9 @@ fn main() {
             let clouds: Clouds = lbscale_daemon::default_clouds(&cfg).with("local", move |store| {
                 Ok(Drivers::of(SimCloud { store, port }))
             });
-            // As `lbscale daemon` runs it: two worker threads.
+            // As `lbscale daemon` runs it: its allocator settings, two worker
+            // threads.
+            lbscale_daemon::malloc::limit_arenas();
             let r = runtime(2).block_on(lbscale_daemon::run_with_clouds(cfg, clouds, async {
                 let mut term =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -487,8 +487,11 @@ fn settle_publication(
     if !shared.publication_check_due(&distributor, interval) {
         return;
     }
-    if let Ok(Some(true)) = shared.engine.publication_settled_in(snap) {
-        return;
+    // The snapshot's own distributor: the cached row may be a version behind.
+    if snap.row.spec.traffic_distributor_id == distributor {
+        if let Ok(Some(true)) = shared.engine.publication_settled_in(snap) {
+            return;
+        }
     }
     let (shared, id, name) = (shared.clone(), row.id.clone(), row.spec.name.clone());
     tokio::spawn(async move {
@@ -681,6 +684,9 @@ async fn observe(
                     .map_err(|e| EvalError::new("issue the engine's node API certificate", e))?,
             );
             rt.credentials = Some(c.clone());
+            // Kept connections (short intervals) were made with the old
+            // credentials and would go on resuming with them: dial again.
+            rt.clients.clear();
             c
         }
     };

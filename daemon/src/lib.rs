@@ -49,6 +49,7 @@ mod az;
 mod claims;
 pub mod group;
 pub mod http;
+pub mod malloc;
 pub mod metrics;
 pub mod resume;
 mod sample;

@@ -39,7 +39,8 @@ pub enum Claim {
 /// What one evaluation of the daemon reads of a group: the group's row with
 /// its distributor, what the distributor serves, how many groups use it and
 /// who holds the group's lease (one statement), its nodes (one more) and its
-/// vservers (one more), as [`Engine::group_snapshot`] read them.
+/// vservers (one more per SE group, and one for the SE groups), as
+/// [`Engine::group_snapshot`] read them.
 pub struct GroupSnapshot {
     pub row: Row<GroupSpec>,
     pub version: i64,

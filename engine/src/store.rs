@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store
 /// from version `i` to `i + 1`.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 8;
 
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1
@@ -112,13 +112,17 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE groups ADD COLUMN config_fence INTEGER NOT NULL DEFAULT 0;
     "#,
-    // 8 -> 9: a distributor's groups by index: every evaluation asks whether
-    // its group's distributor has other groups (see [`Store::group_record`]),
-    // and a store may hold 10,000 groups.
-    r#"
-    CREATE INDEX groups_by_distributor ON groups (distributor_id);
-    "#,
 ];
+
+/// Indexes that a store of any version may have or lack, made at every open
+/// without raising the schema version: an older lbscale still opens the
+/// store (several daemons upgraded one by one, an older provider) and ignores
+/// them.
+const INDEXES: &str = r#"
+    -- Every evaluation asks whether its group's distributor has other groups
+    -- (see `Store::group_record`), and a store may hold 10,000 groups.
+    CREATE INDEX IF NOT EXISTS groups_by_distributor ON groups (distributor_id);
+"#;
 
 /// Leases renewed by one statement of [`Store::renew_leases`].
 pub const RENEW_BATCH: usize = 256;
@@ -434,7 +438,9 @@ pub struct GroupRecord {
     /// Its distributor's spec (None: the distributor is gone).
     pub distributor: Option<DistributorSpec>,
     /// What the distributor's driver last confirmed it serves (the JSON of
-    /// `reconcile::distributors`'s `Served`), if anything.
+    /// `reconcile::distributors`'s `Served`), if anything; read only when the
+    /// group is the distributor's only one (what a distributor of many serves
+    /// is as large as all their nodes, and no snapshot of one can use it).
     pub served: Option<String>,
     /// How many groups use the group's distributor, this one included.
     pub distributor_groups: i64,
@@ -706,6 +712,9 @@ impl Store {
                     vals![(i + 1).to_string()],
                 )?;
             }
+            // Within the migration's transaction: serialised with every
+            // other process's (the write lock).
+            tx.batch(INDEXES)?;
             Ok(())
         })
     }
@@ -1160,7 +1169,8 @@ impl Store {
                 &format!(
                     "SELECT g.id, g.spec, g.version, g.deleting, g.config_version, d.spec,
                        (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS}),
-                       d.served,
+                       CASE WHEN (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id) = 1
+                         THEN d.served END,
                        (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id)
                      FROM groups g LEFT JOIN distributors d ON d.id = g.distributor_id
                      WHERE g.id = ?1"

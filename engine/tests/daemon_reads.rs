@@ -116,5 +116,25 @@ store_test!(
         store.insert_group("g2", &other, "secret").unwrap();
         let snap = rt.block_on(engine.group_snapshot("g1")).unwrap().unwrap();
         assert_eq!(engine.publication_settled_in(&snap).unwrap(), None);
+
+        // An nlb's port targets need the placements: not told from a snapshot.
+        store
+            .insert_distributor(
+                "td-2",
+                &DistributorSpec {
+                    name: "reads-nlb".into(),
+                    cloud: CloudName::Local,
+                    mode: DistributorMode::Nlb,
+                    domain: None,
+                    ttl: DeclaredDuration::parse("1s").unwrap(),
+                },
+            )
+            .unwrap();
+        let mut behind_nlb = spec();
+        behind_nlb.name = "reads-3".into();
+        behind_nlb.traffic_distributor_id = "td-2".into();
+        store.insert_group("g3", &behind_nlb, "secret").unwrap();
+        let snap = rt.block_on(engine.group_snapshot("g3")).unwrap().unwrap();
+        assert_eq!(engine.publication_settled_in(&snap).unwrap(), None);
     }
 );

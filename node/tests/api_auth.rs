@@ -247,7 +247,10 @@ async fn a_second_connection_resumes_the_session_and_still_checks_name_and_token
         Ok(_) => panic!("the engine took node {NODE} for web-az1-2-6666"),
         Err(e) => e.to_string(),
     };
-    assert!(e.contains("certificate"), "{e}");
+    assert!(
+        e.contains("expected node web-az1-2-6666's certificate"),
+        "{e}"
+    );
 
     drop(node);
     let _node = start("tls-resume", NODE, ip, port, &[]);
