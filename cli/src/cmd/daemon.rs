@@ -259,6 +259,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     if let Some(g) = grace {
         cfg.shutdown_grace = g;
     }
+    lbscale_daemon::malloc::limit_arenas();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
