@@ -50,6 +50,7 @@ environment:
   LBSCALE_LOG                log filter, such as info or lbscale_daemon=debug,warn;
                              default: RUST_LOG, else info
   RUST_LOG                   log filter when LBSCALE_LOG is unset
+  MALLOC_ARENA_MAX           glibc's malloc arenas; unset, the daemon uses 2
   PATH                       where lbscale-node is looked for (local cloud)
   AWS_REGION                 aws cloud: the region (else AWS_DEFAULT_REGION)
   AWS_DEFAULT_REGION         aws cloud: the region when AWS_REGION is unset
