@@ -287,7 +287,7 @@ pub async fn evaluate(
     }
     // Before the resume: a resume that failed on the distributor waits for
     // its back-off, but what the distributor serves is checked every interval.
-    settle_publication(shared, row, &snap, interval);
+    settle_publication(shared, &snap, interval);
     let snap = match resume(shared, rt, row, now, &snap).await? {
         Resumed::Stop => return Ok(Next::Requeue(interval)),
         Resumed::Settled => snap,
@@ -477,21 +477,16 @@ async fn finish_deletion(
 /// again: a publication may wait for the distributor's lease or for the cloud
 /// to confirm it, and that must not hold up the group's AZs; a failure is
 /// reported and tried again at the next check.
-fn settle_publication(
-    shared: &Arc<Shared>,
-    row: &Row<GroupSpec>,
-    snap: &GroupSnapshot,
-    interval: Duration,
-) {
+/// The group is the snapshot's row, read this evaluation (the cached row may
+/// be a version behind: another distributor).
+fn settle_publication(shared: &Arc<Shared>, snap: &GroupSnapshot, interval: Duration) {
+    let row = &snap.row;
     let distributor = row.spec.traffic_distributor_id.clone();
     if !shared.publication_check_due(&distributor, interval) {
         return;
     }
-    // The snapshot's own distributor: the cached row may be a version behind.
-    if snap.row.spec.traffic_distributor_id == distributor {
-        if let Ok(Some(true)) = shared.engine.publication_settled_in(snap) {
-            return;
-        }
+    if let Ok(Some(true)) = shared.engine.publication_settled_in(snap) {
+        return;
     }
     let (shared, id, name) = (shared.clone(), row.id.clone(), row.spec.name.clone());
     tokio::spawn(async move {

@@ -112,7 +112,13 @@ impl Engine {
         let Some(distributor) = s.distributor.as_ref().filter(|_| s.distributor_groups == 1) else {
             return Ok(None);
         };
-        Engine::dns_publication_settled(distributor, s.served.clone(), &s.row, &s.vservers, &s.rows)
+        Engine::dns_publication_settled(
+            distributor,
+            s.served.as_deref(),
+            &s.row,
+            &s.vservers,
+            &s.rows,
+        )
     }
 
     /// [`Engine::vserver_spans`] of the snapshot's group (nothing is read

@@ -118,15 +118,15 @@ impl Engine {
     /// What the distributor's driver last confirmed it hands out; `None` before
     /// its first confirmed publication.
     fn served(&self, distributor_id: &str) -> Result<Option<Served>> {
-        Self::served_from(self.store.served_publication(distributor_id)?)
+        Self::served_from(self.store.served_publication(distributor_id)?.as_deref())
     }
 
     /// [`Engine::served`] from the stored text.
-    fn served_from(json: Option<String>) -> Result<Option<Served>> {
+    fn served_from(json: Option<&str>) -> Result<Option<Served>> {
         let Some(json) = json else {
             return Ok(None);
         };
-        serde_json::from_str(&json)
+        serde_json::from_str(json)
             .map(Some)
             .map_err(|e| EngineError::Step {
                 step: "read what the distributor serves",
@@ -147,7 +147,7 @@ impl Engine {
             spec: row.spec,
             publication,
         };
-        if Self::served_from(served)?.as_ref() == Some(&wanted) {
+        if Self::served_from(served.as_deref())?.as_ref() == Some(&wanted) {
             return Ok(false);
         }
         self.publish(distributor_id).await?;
@@ -161,7 +161,7 @@ impl Engine {
     /// placements). Nothing is read.
     pub(crate) fn dns_publication_settled(
         distributor: &DistributorSpec,
-        served: Option<String>,
+        served: Option<&str>,
         group: &Row<GroupSpec>,
         vservers: &[Row<VserverSpec>],
         nodes: &[NodeRow],
