@@ -68,7 +68,10 @@ install() {
 }
 
 start() {
-    if [ -f "$dir/url" ] && [ -f "$dir/data/postmaster.pid" ]; then
+    # A pid file whose process is gone (the machine was restarted) is stale:
+    # the cluster is made again below.
+    if [ -f "$dir/url" ] && [ -f "$dir/data/postmaster.pid" ] &&
+        kill -0 "$(head -1 "$dir/data/postmaster.pid")" 2>/dev/null; then
         cat "$dir/url"
         return 0
     fi
