@@ -12,7 +12,7 @@
 
 use crate::model::{DistributorSpec, GroupSpec, VserverSpec};
 use crate::reconcile::{EngineError, GroupView, KeptLease, Result, SpanView};
-use crate::store::{daemon_claim_key, Lease, NodeRow, PolicyStateRow, Row, StoreError};
+use crate::store::{daemon_claim_key, GroupRows, Lease, NodeRow, PolicyStateRow, Row, StoreError};
 use crate::Engine;
 use lbscale_core::policy::{AzState, PolicyConfig};
 use std::time::Duration;
@@ -66,11 +66,14 @@ impl Engine {
     /// The group as one evaluation needs it (see [`GroupSnapshot`]); `None`
     /// when it is gone.
     pub async fn group_snapshot(&self, group_id: &str) -> Result<Option<GroupSnapshot>> {
-        let Some(rec) = self.store.group_record(group_id)? else {
+        let Some(GroupRows {
+            record: rec,
+            nodes: rows,
+            vservers,
+        }) = self.store.group_rows(group_id).await?
+        else {
             return Ok(None);
         };
-        let rows = self.store.nodes_of_group(group_id)?;
-        let vservers = self.store.vservers_of_group(group_id)?;
         let view = self.view_of(rec.row.clone(), rows.clone()).await?;
         Ok(Some(GroupSnapshot {
             behind_nlb: rec

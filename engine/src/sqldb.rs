@@ -55,8 +55,12 @@ pub(crate) fn statements_sent_here() -> u64 {
 }
 
 fn count_statement() {
-    STATEMENTS.fetch_add(1, Ordering::Relaxed);
-    SENT_HERE.with(|c| c.set(c.get() + 1));
+    count_statements(1);
+}
+
+fn count_statements(n: u64) {
+    STATEMENTS.fetch_add(n, Ordering::Relaxed);
+    SENT_HERE.with(|c| c.set(c.get() + n));
 }
 
 /// A parameter or a column value.
@@ -356,6 +360,14 @@ enum Req {
     Batch(String),
 }
 
+/// What a connection's thread is given: one statement, whose answer the
+/// caller waits for, or a caller's whole function of statements
+/// ([`PgConn::run`]), which answers by itself.
+enum Job {
+    Call(Req, mpsc::SyncSender<Reply>),
+    Run(Box<dyn FnOnce(&mut Direct<'_>) + Send>),
+}
+
 enum Answer {
     Rows(Vec<SqlRow>),
     Count(u64),
@@ -472,7 +484,7 @@ impl PgTarget {
 
 /// A PostgreSQL connection owned by its own thread (see the module docs).
 pub(crate) struct PgConn {
-    tx: mpsc::Sender<(Req, mpsc::SyncSender<Reply>)>,
+    tx: mpsc::Sender<Job>,
     secret: Option<String>,
     /// How long a call waits for its answer (see [`PgLimits::call_deadline`]).
     deadline: Duration,
@@ -514,15 +526,16 @@ impl PgConn {
             store: target.redacted.clone(),
             detail: scrub(&detail, target.secret.as_deref()),
         };
-        let (tx, rx) = mpsc::channel::<(Req, mpsc::SyncSender<Reply>)>();
+        let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (config, tls) = (target.config.clone(), target.tls.clone());
+        let secret = target.secret.clone();
         let (state, stalls) = (slot.state.clone(), slot.stalls.clone());
         std::thread::Builder::new()
             .name("lbscale-postgres".into())
             .spawn(move || {
                 let _slot = slot;
-                worker(config, tls, limits, rx, ready_tx)
+                worker(config, tls, limits, secret, rx, ready_tx)
             })
             .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
         let wait = target
@@ -561,42 +574,82 @@ impl PgConn {
             ));
         }
         let (reply_tx, reply_rx) = mpsc::sync_channel(1);
-        let gone = || StoreError::Sql("the PostgreSQL connection thread is gone".into());
-        self.tx.send((req, reply_tx)).map_err(|_| gone())?;
+        self.tx
+            .send(Job::Call(req, reply_tx))
+            .map_err(|_| thread_gone())?;
         let reply = match reply_rx.recv_timeout(self.deadline) {
             Ok(r) => r,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                self.stalled = true;
-                // Counted until the thread ends (unless it just did).
-                if self
-                    .state
-                    .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-                {
-                    self.stalls.fetch_add(1, Ordering::SeqCst);
-                }
-                return Err(StoreError::Unreachable(format!(
-                    "PostgreSQL did not answer within {} ms",
-                    self.deadline.as_millis()
-                )));
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(gone()),
+            Err(mpsc::RecvTimeoutError::Timeout) => return Err(self.gave_up()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(thread_gone()),
         };
-        match reply {
-            Ok(a) => Ok(a),
-            Err(f) => {
-                let message = scrub(&f.message, self.secret.as_deref());
-                Err(match f.code.as_deref() {
-                    // lock_not_available: lock_timeout passed while waiting.
-                    Some("55P03") => StoreError::Locked(message),
-                    // query_canceled: statement_timeout (or a cancel request).
-                    Some("57014") => StoreError::Unreachable(message),
-                    // connection_exception: the socket failed or closed.
-                    Some(c) if c.starts_with("08") => StoreError::Unreachable(message),
-                    _ => StoreError::Sql(message),
-                })
-            }
+        reply.map_err(|f| store_error(f, self.secret.as_deref()))
+    }
+
+    /// Runs `f` on the connection's own thread and waits for its answer
+    /// without blocking the caller's thread: its statements go to the server
+    /// from there, with no hand-off each, and a caller on an async runtime
+    /// holds up none of its workers. At most the call's deadline for all of
+    /// `f`. A caller that stops waiting early leaves `f` to finish on the
+    /// thread, before the connection's next call.
+    async fn run<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        if self.stalled {
+            return Err(StoreError::Unreachable(
+                "the PostgreSQL connection stalled earlier".into(),
+            ));
         }
+        let (answer_tx, answer_rx) = tokio::sync::oneshot::channel();
+        let job = Job::Run(Box::new(move |db: &mut Direct<'_>| {
+            let r = f(db);
+            let _ = answer_tx.send((r, db.sent));
+        }));
+        self.tx.send(job).map_err(|_| thread_gone())?;
+        match tokio::time::timeout(self.deadline, answer_rx).await {
+            Ok(Ok((r, sent))) => {
+                count_statements(sent);
+                r
+            }
+            Ok(Err(_)) => Err(thread_gone()),
+            Err(_) => Err(self.gave_up()),
+        }
+    }
+
+    /// A call got no answer by its deadline: the thread may still be blocked
+    /// in it, so the connection is never used again.
+    fn gave_up(&mut self) -> StoreError {
+        self.stalled = true;
+        // Counted until the thread ends (unless it just did).
+        if self
+            .state
+            .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            self.stalls.fetch_add(1, Ordering::SeqCst);
+        }
+        StoreError::Unreachable(format!(
+            "PostgreSQL did not answer within {} ms",
+            self.deadline.as_millis()
+        ))
+    }
+}
+
+fn thread_gone() -> StoreError {
+    StoreError::Sql("the PostgreSQL connection thread is gone".into())
+}
+
+/// A failure as the store reports it, with no password in it.
+fn store_error(f: PgFailure, secret: Option<&str>) -> StoreError {
+    let message = scrub(&f.message, secret);
+    match f.code.as_deref() {
+        // lock_not_available: lock_timeout passed while waiting.
+        Some("55P03") => StoreError::Locked(message),
+        // query_canceled: statement_timeout (or a cancel request).
+        Some("57014") => StoreError::Unreachable(message),
+        // connection_exception: the socket failed or closed.
+        Some(c) if c.starts_with("08") => StoreError::Unreachable(message),
+        _ => StoreError::Sql(message),
     }
 }
 
@@ -697,6 +750,23 @@ impl PgPool {
         }
     }
 
+    /// An idle connection, if one is free now (no wait, no new connection),
+    /// for [`Pooled::run`]; each of its calls waits at most the pool's
+    /// call deadline.
+    pub fn idle_now(&self) -> Option<Pooled<'_>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(mut c) = idle.pop() {
+            if c.idle_since.elapsed() < self.limits.idle_timeout {
+                c.deadline = self.limits.call_deadline;
+                return Some(Pooled {
+                    pool: self,
+                    conn: Some(c),
+                });
+            }
+        }
+        None
+    }
+
     fn reserve(&self) -> Option<Slot> {
         let max = self.limits.max_connections;
         self.threads
@@ -746,6 +816,13 @@ pub(crate) struct Pooled<'a> {
 impl Pooled<'_> {
     fn conn(&mut self) -> &mut PgConn {
         self.conn.as_mut().expect("a pooled connection")
+    }
+    /// [`PgConn::run`] on this connection.
+    pub async fn run<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.conn().run(f).await
     }
     /// Whether a call of this connection timed out (it is not given back).
     pub fn stalled(&self) -> bool {
@@ -809,7 +886,8 @@ fn worker(
     config: postgres::Config,
     tls: tokio_postgres_rustls::MakeRustlsConnect,
     limits: PgLimits,
-    rx: mpsc::Receiver<(Req, mpsc::SyncSender<Reply>)>,
+    secret: Option<String>,
+    rx: mpsc::Receiver<Job>,
     ready: mpsc::SyncSender<std::result::Result<(), PgFailure>>,
 ) {
     let connect = |config: &postgres::Config| -> std::result::Result<postgres::Client, PgFailure> {
@@ -839,7 +917,7 @@ fn worker(
         .map_err(failure)?;
         Ok(c)
     };
-    let mut client = match connect(&config) {
+    let client = match connect(&config) {
         Ok(c) => {
             let _ = ready.send(Ok(()));
             c
@@ -849,34 +927,65 @@ fn worker(
             return;
         }
     };
-    let mut statements: HashMap<String, postgres::Statement> = HashMap::new();
-    let mut in_tx = false;
-    while let Ok((req, reply)) = rx.recv() {
+    let mut session = Session {
+        client,
+        statements: HashMap::new(),
+        in_tx: false,
+    };
+    while let Ok(job) = rx.recv() {
         // A server restart closes the connection: outside a transaction, open a
-        // new one rather than failing every call from now on.
-        if client.is_closed() && !in_tx {
+        // new one rather than failing every call from now on. (A function of
+        // statements whose reconnect failed runs on the closed one, and its
+        // first statement fails as a closed connection.)
+        if session.client.is_closed() && !session.in_tx {
             match connect(&config) {
                 Ok(c) => {
-                    client = c;
-                    statements.clear();
+                    session.client = c;
+                    session.statements.clear();
                 }
                 Err(f) => {
-                    let _ = reply.send(Err(f));
-                    continue;
+                    if let Job::Call(_, reply) = job {
+                        let _ = reply.send(Err(f));
+                        continue;
+                    }
                 }
             }
         }
-        let mut prepared = |client: &mut postgres::Client, sql: &str| {
-            if let Some(st) = statements.get(sql) {
-                return Ok(st.clone());
+        match job {
+            Job::Call(req, reply) => {
+                let _ = reply.send(session.serve(&req));
             }
-            let st = client.prepare(sql).map_err(failure)?;
-            statements.insert(sql.to_string(), st.clone());
-            Ok(st)
-        };
-        let answer: Reply = match &req {
-            Req::Query(sql, p) => prepared(&mut client, sql).and_then(|st| {
-                let rows = client.query(&st, &params(p)).map_err(failure)?;
+            Job::Run(f) => f(&mut Direct {
+                session: &mut session,
+                secret: secret.as_deref(),
+                sent: 0,
+            }),
+        }
+    }
+}
+
+/// A connection's client on its own thread, with its prepared statements.
+struct Session {
+    client: postgres::Client,
+    statements: HashMap<String, postgres::Statement>,
+    in_tx: bool,
+}
+
+impl Session {
+    fn prepared(&mut self, sql: &str) -> std::result::Result<postgres::Statement, PgFailure> {
+        if let Some(st) = self.statements.get(sql) {
+            return Ok(st.clone());
+        }
+        let st = self.client.prepare(sql).map_err(failure)?;
+        self.statements.insert(sql.to_string(), st.clone());
+        Ok(st)
+    }
+
+    fn serve(&mut self, req: &Req) -> Reply {
+        match req {
+            Req::Query(sql, p) => {
+                let st = self.prepared(sql)?;
+                let rows = self.client.query(&st, &params(p)).map_err(failure)?;
                 rows.iter()
                     .map(pg_row)
                     .collect::<std::result::Result<Vec<_>, _>>()
@@ -885,32 +994,73 @@ fn worker(
                         code: None,
                         message,
                     })
-            }),
-            Req::Execute(sql, p) => prepared(&mut client, sql).and_then(|st| {
-                client
+            }
+            Req::Execute(sql, p) => {
+                let st = self.prepared(sql)?;
+                self.client
                     .execute(&st, &params(p))
                     .map(Answer::Count)
                     .map_err(failure)
-            }),
+            }
             Req::Batch(sql) => {
                 let t = sql.trim_start().to_ascii_uppercase();
                 if t.starts_with("BEGIN") {
-                    in_tx = true;
+                    self.in_tx = true;
                 } else if t.starts_with("COMMIT") || t.starts_with("ROLLBACK") {
-                    in_tx = false;
+                    self.in_tx = false;
                 }
                 // DDL may change what a prepared statement refers to.
                 if !t.starts_with("BEGIN") && !t.starts_with("COMMIT") && !t.starts_with("ROLLBACK")
                 {
-                    statements.clear();
+                    self.statements.clear();
                 }
-                client
+                self.client
                     .batch_execute(sql)
                     .map(|_| Answer::Done)
                     .map_err(failure)
             }
-        };
-        let _ = reply.send(answer);
+        }
+    }
+}
+
+/// The connection as a function run on its thread sees it ([`PgConn::run`]):
+/// each statement straight to the server. It counts its statements for the
+/// caller, whose thread they are counted on.
+struct Direct<'a> {
+    session: &'a mut Session,
+    secret: Option<&'a str>,
+    sent: u64,
+}
+
+impl Direct<'_> {
+    fn serve(&mut self, req: Req) -> Result<Answer> {
+        self.sent += 1;
+        self.session
+            .serve(&req)
+            .map_err(|f| store_error(f, self.secret))
+    }
+}
+
+impl Db for Direct<'_> {
+    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
+        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
+        match self.serve(Req::Query(sql, params.to_vec()))? {
+            Answer::Rows(r) => Ok(r),
+            _ => unreachable!("a query answers rows"),
+        }
+    }
+    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
+        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
+        match self.serve(Req::Execute(sql, params.to_vec()))? {
+            Answer::Count(n) => Ok(n),
+            _ => unreachable!("an execute answers a count"),
+        }
+    }
+    fn batch(&mut self, sql: &str) -> Result<()> {
+        self.serve(Req::Batch(sql.to_string())).map(|_| ())
+    }
+    fn dialect(&self) -> Dialect {
+        Dialect::Postgres
     }
 }
 

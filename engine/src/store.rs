@@ -427,6 +427,14 @@ pub struct PolicyStateRow {
     pub updated_at: i64,
 }
 
+/// What [`Store::group_rows`] reads of a group.
+#[derive(Debug, Clone)]
+pub struct GroupRows {
+    pub record: GroupRecord,
+    pub nodes: Vec<NodeRow>,
+    pub vservers: Vec<Row<VserverSpec>>,
+}
+
 /// A group as one evaluation of the daemon reads it ([`Store::group_record`]).
 #[derive(Debug, Clone)]
 pub struct GroupRecord {
@@ -732,6 +740,23 @@ impl Store {
                 f(&mut conn)
             }
         })
+    }
+
+    /// As [`Store::with`], for a caller on an async runtime: on PostgreSQL,
+    /// with a connection idle, `f` runs on that connection's thread and the
+    /// caller awaits it, so that no worker thread of the runtime blocks and
+    /// `f`'s statements are handed over once, not each. Otherwise (SQLite,
+    /// every connection busy) as [`Store::with`].
+    async fn with_async<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        if let Backend::Postgres { pool, .. } = &self.backend {
+            if let Some(mut conn) = pool.idle_now() {
+                return conn.run(f).await;
+            }
+        }
+        self.with(f)
     }
 
     /// As [`Store::with`], on the connections kept for leases.
@@ -1164,40 +1189,28 @@ impl Store {
     /// version), its distributor's spec, and who holds the group's own lease
     /// now (unexpired by the database's clock).
     pub fn group_record(&self, id: &str) -> Result<Option<GroupRecord>> {
-        let row = self.with(|c| {
-            c.one(
-                &format!(
-                    "SELECT g.id, g.spec, g.version, g.deleting, g.config_version, d.spec,
-                       (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS}),
-                       CASE WHEN (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id) = 1
-                         THEN d.served END,
-                       (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id)
-                     FROM groups g LEFT JOIN distributors d ON d.id = g.distributor_id
-                     WHERE g.id = ?1"
-                ),
-                vals![id],
-            )
-        })?;
-        row.map(|r| {
-            Ok(GroupRecord {
-                row: Row {
-                    id: r.text(0)?,
-                    spec: decode("autoscale group", &r.text(1)?)?,
-                },
-                version: r.int(2)?,
-                deleting: r.int(3)? != 0,
-                config_version: r.int(4)?.max(0) as u64,
-                distributor: r
-                    .opt_text(5)?
-                    .map(|s| decode("traffic distributor", &s))
-                    .transpose()?,
-                lease_holder: r.opt_text(6)?,
-                served: r.opt_text(7)?,
-                distributor_groups: r.int(8)?,
-            })
-        })
-        .transpose()
+        self.with(|c| group_record_in(c, id))
     }
+
+    /// The group's record, its nodes and its vservers, as one evaluation of
+    /// the daemon reads them: three statements, handed to the store's
+    /// connection together without blocking the caller ([`Store::with_async`]).
+    /// `None` when the group is gone.
+    pub async fn group_rows(&self, id: &str) -> Result<Option<GroupRows>> {
+        let id = id.to_string();
+        self.with_async(move |c| {
+            let Some(record) = group_record_in(c, &id)? else {
+                return Ok(None);
+            };
+            Ok(Some(GroupRows {
+                record,
+                nodes: nodes_of_group_in(c, &id)?,
+                vservers: vservers_of_group_in(c, &id)?,
+            }))
+        })
+        .await
+    }
+
     /// The group's secret: its CA and every node's token derive from it
     /// (`nodeapi::auth`). Sensitive: never log or print it.
     pub fn group_token(&self, group_id: &str) -> Result<Option<String>> {
@@ -1528,11 +1541,7 @@ impl Store {
     }
     /// Every vserver placed on the group, through its SE groups.
     pub fn vservers_of_group(&self, group_id: &str) -> Result<Vec<Row<VserverSpec>>> {
-        let mut out = Vec::new();
-        for se in self.se_groups_of_group(group_id)? {
-            out.extend(self.vservers_of_se_group(&se.id)?);
-        }
-        Ok(out)
+        self.with(|c| vservers_of_group_in(c, group_id))
     }
 
     // --- nodes ------------------------------------------------------------------
@@ -1660,29 +1669,7 @@ impl Store {
 
     /// The group's nodes, oldest first.
     pub fn nodes_of_group(&self, group_id: &str) -> Result<Vec<NodeRow>> {
-        let rows = self.with(|c| {
-            c.query(
-                "SELECT id, group_id, az, seq, state, private_ip, public_ip, registered, handle, created_at
-                 FROM nodes WHERE group_id = ?1 ORDER BY seq",
-                vals![group_id],
-            )
-        })?;
-        rows.into_iter()
-            .map(|r| {
-                Ok(NodeRow {
-                    id: r.text(0)?,
-                    group_id: r.text(1)?,
-                    az: r.text(2)?,
-                    seq: r.int(3)?,
-                    state: NodeState::parse(&r.text(4)?)?,
-                    private_ip: r.text(5)?,
-                    public_ip: r.opt_text(6)?,
-                    registered: r.int(7)? != 0,
-                    handle: decode("node handle", &r.text(8)?)?,
-                    created_at: r.int(9)?,
-                })
-            })
-            .collect()
+        self.with(|c| nodes_of_group_in(c, group_id))
     }
 
     /// Every node's id, group and private address, for a tool that serves many
@@ -2145,6 +2132,77 @@ fn conflicting_lease(c: &mut dyn Db, key: &str, holder: &str) -> Result<Option<(
     rows.first()
         .map(|r| Ok((r.text(0)?, r.int(1)?)))
         .transpose()
+}
+
+/// The group's row, its distributor and its lease holder: one statement.
+fn group_record_in(c: &mut dyn Db, id: &str) -> Result<Option<GroupRecord>> {
+    let row = c.one(
+        &format!(
+            "SELECT g.id, g.spec, g.version, g.deleting, g.config_version, d.spec,
+               (SELECT holder FROM leases WHERE group_id = g.id AND expires_ms > {NOW_MS}),
+               CASE WHEN (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id) = 1
+                 THEN d.served END,
+               (SELECT count(*) FROM groups o WHERE o.distributor_id = g.distributor_id)
+             FROM groups g LEFT JOIN distributors d ON d.id = g.distributor_id
+             WHERE g.id = ?1"
+        ),
+        vals![id],
+    )?;
+    row.map(|r| {
+        Ok(GroupRecord {
+            row: Row {
+                id: r.text(0)?,
+                spec: decode("autoscale group", &r.text(1)?)?,
+            },
+            version: r.int(2)?,
+            deleting: r.int(3)? != 0,
+            config_version: r.int(4)?.max(0) as u64,
+            distributor: r
+                .opt_text(5)?
+                .map(|s| decode("traffic distributor", &s))
+                .transpose()?,
+            lease_holder: r.opt_text(6)?,
+            served: r.opt_text(7)?,
+            distributor_groups: r.int(8)?,
+        })
+    })
+    .transpose()
+}
+
+/// The group's nodes, in their order of creation: one statement.
+fn nodes_of_group_in(c: &mut dyn Db, group_id: &str) -> Result<Vec<NodeRow>> {
+    let rows = c.query(
+        "SELECT id, group_id, az, seq, state, private_ip, public_ip, registered, handle, created_at
+         FROM nodes WHERE group_id = ?1 ORDER BY seq",
+        vals![group_id],
+    )?;
+    rows.into_iter()
+        .map(|r| {
+            Ok(NodeRow {
+                id: r.text(0)?,
+                group_id: r.text(1)?,
+                az: r.text(2)?,
+                seq: r.int(3)?,
+                state: NodeState::parse(&r.text(4)?)?,
+                private_ip: r.text(5)?,
+                public_ip: r.opt_text(6)?,
+                registered: r.int(7)? != 0,
+                handle: decode("node handle", &r.text(8)?)?,
+                created_at: r.int(9)?,
+            })
+        })
+        .collect()
+}
+
+/// The vservers of the group's SE groups, SE group by SE group, each in
+/// its order of creation: one statement, however many SE groups.
+fn vservers_of_group_in(c: &mut dyn Db, group_id: &str) -> Result<Vec<Row<VserverSpec>>> {
+    let rows = c.query(
+        "SELECT v.id, v.spec FROM vservers v JOIN se_groups s ON s.id = v.se_group_id
+         WHERE s.group_id = ?1 ORDER BY s.created_at, s.id, v.created_at, v.id",
+        vals![group_id],
+    )?;
+    Store::rows_of("vserver", rows)
 }
 
 /// Runs a blocking store call where it does not hold up the async tasks of

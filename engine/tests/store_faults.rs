@@ -465,3 +465,80 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
     });
     drop(stall);
 }
+
+// The daemon's read of a group (`group_rows`, its statements run on the
+// connection's own thread while the caller awaits) gives up at the call's
+// deadline on a stalled server, holds up no worker of the runtime meanwhile,
+// and does not use the stalled connection again.
+#[test]
+fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
+    let Some(ts) = TestStore::new(Kind::Postgres, "stalled_group_read") else {
+        return;
+    };
+    let app = format!("lbt-stalled-group-read-{}", std::process::id());
+    // lock_wait 1 s: statement_timeout 6 s, the call's deadline 11 s.
+    let s = Store::open_postgres(
+        &format!("{}?application_name={app}", ts.url),
+        &ts.dir,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    group(&s, "g1");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let read = rt
+        .block_on(s.group_rows("g1"))
+        .unwrap()
+        .expect("g1 is there");
+    assert_eq!(read.record.row.id, "g1");
+    let stall = StoppedBackends::start(&ts.url, &app);
+    let s = Arc::new(s);
+    let s2 = s.clone();
+    let (r, took, gap) = rt.block_on(async move {
+        let ticks = tokio::spawn(async {
+            let mut at = vec![Instant::now()];
+            while at[0].elapsed() < Duration::from_secs(12) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                at.push(Instant::now());
+            }
+            at
+        });
+        let t = Instant::now();
+        let r = s2.group_rows("g1").await;
+        let took = t.elapsed();
+        let at = ticks.await.unwrap();
+        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        (r, took, gap)
+    });
+    eprintln!("the stalled read {r:?} after {took:?}; longest gap between ticks {gap:?}");
+    let err = r.unwrap_err();
+    assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
+    assert!(
+        err.to_string().contains("did not answer within 11000 ms"),
+        "{err}"
+    );
+    assert!(took >= Duration::from_secs(10), "gave up after {took:?}");
+    assert!(
+        gap < Duration::from_millis(1000),
+        "the runtime's only worker was held {gap:?} by the stalled read"
+    );
+    drop(stall);
+    // Answered again, on a connection other than the stalled one.
+    let t = Instant::now();
+    loop {
+        match rt.block_on(s.group_rows("g1")) {
+            Ok(Some(r)) => {
+                assert_eq!(r.record.row.id, "g1");
+                break;
+            }
+            other if t.elapsed() < Duration::from_secs(30) => {
+                eprintln!("after the stall: {other:?}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            other => panic!("the store did not come back after the stall: {other:?}"),
+        }
+    }
+}
