@@ -130,12 +130,17 @@ pub(crate) async fn sample(
         let creds = creds.clone();
         set.spawn(async move {
             let call = async {
-                let mut client = match cached {
-                    Some(c) => c.client,
-                    None => NodeClient::connect_with(&creds, &ip, port, &id, &token)
-                        .await
-                        .map_err(|e| e.to_string())?,
-                };
+                if let Some(c) = cached {
+                    let mut client = c.client;
+                    if let Ok(stats) = client.stats_over(window).await {
+                        return Ok((client, stats));
+                    }
+                    // The kept connection ended (the node restarted, say):
+                    // a new one, within the same timeout.
+                }
+                let mut client = NodeClient::connect_with(&creds, &ip, port, &id, &token)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
                 Ok::<_, String>((client, stats))
             };

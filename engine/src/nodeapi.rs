@@ -7,13 +7,12 @@ pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::HandshakeKind;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tonic::codegen::{http::Uri, BoxFuture, Context, Poll, Service};
+use tonic::body::BoxBody;
+use tonic::codegen::{http, http::Uri, BoxFuture, Context, Poll, Service};
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
 
 pub mod auth;
 mod sessions;
@@ -40,7 +39,7 @@ pub enum NodeApiError {
     },
 }
 
-type Authed = InterceptedService<Channel, BearerToken>;
+type Authed = InterceptedService<NodeConn, BearerToken>;
 
 #[derive(Clone)]
 pub struct BearerToken(MetadataValue<tonic::metadata::Ascii>);
@@ -60,7 +59,7 @@ impl tonic::service::Interceptor for BearerToken {
 pub struct NodeClient {
     addr: String,
     inner: NodeApiClient<Authed>,
-    resumed: Arc<AtomicBool>,
+    resumed: bool,
 }
 
 /// What the engine shows a group's nodes and trusts them by: the group CA's
@@ -149,39 +148,73 @@ fn client_config(
     Ok(config)
 }
 
-/// Dials one node: TCP to its address, then TLS with the group's client
-/// configuration for the node's certificate name. The channel's connect
-/// timeout bounds both.
+/// One HTTP/2 connection to a node's API, as the generated client calls it.
+/// A connection serves one client (the daemon dials a node per sample, or
+/// keeps it at short intervals): no buffer task and no reconnect, unlike
+/// tonic's channel. Every call has [`CALL_TIMEOUT`]; a failed call is
+/// `Unavailable`, which [`NodeClient`] reports as unreachable.
 #[derive(Clone)]
-struct NodeConnector {
-    addr: String,
-    tls: tokio_rustls::TlsConnector,
-    name: ServerName<'static>,
-    /// Whether the last handshake resumed a session.
-    resumed: Arc<AtomicBool>,
+pub struct NodeConn(hyper::client::conn::http2::SendRequest<BoxBody>);
+
+fn unavailable(e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
+    Box::new(tonic::Status::unavailable(e.to_string()))
 }
 
-impl Service<Uri> for NodeConnector {
-    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
-    type Error = std::io::Error;
+impl Service<http::Request<BoxBody>> for NodeConn {
+    type Response = http::Response<BoxBody>;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
     type Future = BoxFuture<Self::Response, Self::Error>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx).map_err(|e| unavailable(chain(&e)))
     }
 
-    fn call(&mut self, _: Uri) -> Self::Future {
-        let this = self.clone();
+    fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
+        let sent = self.0.send_request(req);
         Box::pin(async move {
-            let tcp = tokio::net::TcpStream::connect(&this.addr).await?;
-            tcp.set_nodelay(true)?;
-            let tls = this.tls.connect(this.name, tcp).await?;
-            let kind = tls.get_ref().1.handshake_kind();
-            this.resumed
-                .store(kind == Some(HandshakeKind::Resumed), Ordering::Relaxed);
-            Ok(hyper_util::rt::TokioIo::new(tls))
+            match tokio::time::timeout(CALL_TIMEOUT, sent).await {
+                Ok(r) => r
+                    .map(|res| res.map(tonic::body::boxed))
+                    .map_err(|e| unavailable(chain(&e))),
+                Err(_) => Err(unavailable(format!(
+                    "no answer within {} s",
+                    CALL_TIMEOUT.as_secs()
+                ))),
+            }
         })
     }
+}
+
+/// Dials one node: TCP to its address, TLS with the group's client
+/// configuration for the node's certificate name, then HTTP/2, whose
+/// connection runs in a task of its own until the client is dropped.
+/// Whether the handshake resumed a session, with the connection.
+async fn dial(
+    addr: &str,
+    tls: Arc<rustls::ClientConfig>,
+    name: ServerName<'static>,
+) -> Result<(NodeConn, bool), String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| chain(&e))?;
+    let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
+    let (send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            .handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| chain(&e))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "node API connection ended");
+        }
+    });
+    Ok((NodeConn(send), resumed))
 }
 
 impl NodeClient {
@@ -217,32 +250,35 @@ impl NodeClient {
         };
         let name = ServerName::try_from(auth::node_name(node_id))
             .map_err(|e| unreachable(format!("node name: {e}")))?;
-        let resumed = Arc::new(AtomicBool::new(false));
-        let connector = NodeConnector {
-            addr: addr.clone(),
-            tls: tokio_rustls::TlsConnector::from(creds.tls.clone()),
-            name,
-            resumed: resumed.clone(),
-        };
-        // `http`: the connector does the TLS, not tonic.
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| unreachable(e.to_string()))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(CALL_TIMEOUT)
-            .connect_with_connector(connector)
-            .await
-            .map_err(|e| {
-                unreachable(format!(
-                    "{} (expected node {node_id}'s certificate)",
-                    chain(&e)
-                ))
-            })?;
+        // `http`: the connection is TLS already; the origin names the node.
+        let origin: Uri = format!("http://{addr}")
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| unreachable(e.to_string()))?;
+        let (conn, resumed) =
+            match tokio::time::timeout(CONNECT_TIMEOUT, dial(&addr, creds.tls.clone(), name)).await
+            {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    return Err(unreachable(format!(
+                        "{e} (expected node {node_id}'s certificate)"
+                    )))
+                }
+                Err(_) => {
+                    return Err(unreachable(format!(
+                        "no connection within {} s",
+                        CONNECT_TIMEOUT.as_secs()
+                    )))
+                }
+            };
         // The token is hex, so it is always valid ASCII metadata; never log it.
         let value: MetadataValue<_> = format!("Bearer {}", auth::node_token(group_secret, node_id))
             .parse()
             .map_err(|_| unreachable("token is not printable ASCII".into()))?;
         Ok(NodeClient {
-            inner: NodeApiClient::with_interceptor(channel, BearerToken(value)),
+            inner: NodeApiClient::with_origin(
+                InterceptedService::new(conn, BearerToken(value)),
+                origin,
+            ),
             addr,
             resumed,
         })
@@ -252,7 +288,7 @@ impl NodeClient {
     /// credentials with this node (no certificates checked again), rather
     /// than a full handshake.
     pub fn resumed_session(&self) -> bool {
-        self.resumed.load(Ordering::Relaxed)
+        self.resumed
     }
 
     fn refused(&self, call: &'static str, s: tonic::Status) -> NodeApiError {
