@@ -1,5 +1,6 @@
 //! The engine's side of the node management API (`proto/node.proto`).
 
+use http_body_util::{BodyExt, Full};
 use lbscale_proto::node_api_client::NodeApiClient;
 use lbscale_proto::{DrainRequest, NodeConfig, StatsRequest};
 /// What a node reports (re-exported for the daemon, the CLI and the tests).
@@ -10,6 +11,7 @@ use rustls::HandshakeKind;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::body::BoxBody;
+use tonic::codegen::Bytes;
 use tonic::codegen::{http, http::Uri, BoxFuture, Context, Poll, Service};
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
@@ -58,9 +60,12 @@ impl tonic::service::Interceptor for BearerToken {
 /// and every call carrying the node's own token (docs/security.md).
 pub struct NodeClient {
     addr: String,
+    /// Before `inner` (fields drop in their order): the connection's task is
+    /// ended before the client's handle to it goes, whose drop would start a
+    /// graceful close.
+    _task: ConnTask,
     inner: NodeApiClient<Authed>,
     resumed: bool,
-    _task: ConnTask,
 }
 
 /// What the engine shows a group's nodes and trusts them by: the group CA's
@@ -155,7 +160,7 @@ fn client_config(
 /// tonic's channel. Every call has [`CALL_TIMEOUT`]; a failed call is
 /// `Unavailable`, which [`NodeClient`] reports as unreachable.
 #[derive(Clone)]
-pub struct NodeConn(hyper::client::conn::http2::SendRequest<BoxBody>);
+pub struct NodeConn(hyper::client::conn::http2::SendRequest<Full<Bytes>>);
 
 fn unavailable(e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
     Box::new(tonic::Status::unavailable(e.to_string()))
@@ -171,8 +176,18 @@ impl Service<http::Request<BoxBody>> for NodeConn {
     }
 
     fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
-        let sent = self.0.send_request(req);
+        let mut send = self.0.clone();
         Box::pin(async move {
+            // The whole request (one message) first: it then goes out as
+            // HEADERS and one DATA frame that ends the stream, with no task
+            // of its own piping the body and no empty DATA frame after it.
+            let (parts, body) = req.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|s| Box::new(s) as Self::Error)?
+                .to_bytes();
+            let sent = send.send_request(http::Request::from_parts(parts, Full::new(body)));
             match tokio::time::timeout(CALL_TIMEOUT, sent).await {
                 Ok(r) => r
                     .map(|res| res.map(tonic::body::boxed))
