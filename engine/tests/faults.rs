@@ -10,10 +10,11 @@ use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::cloud::faulty::{Call, Fault, Faults};
 use lbscale_engine::cloud::Clouds;
 use lbscale_engine::model::{
-    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, SeGroupSpec,
+    ServiceSpec, ThresholdSpec, VserverSpec,
 };
 use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
-use lbscale_engine::store::NodeState;
+use lbscale_engine::store::{NodeRow, NodeState};
 use lbscale_engine::{Engine, EngineError};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::{
@@ -1141,4 +1142,146 @@ async fn a_configuration_read_under_a_lost_lease_never_lands_on_a_node() {
 fn rusqlite_raw(dir: &std::path::Path, sql: &str) {
     let c = rusqlite::Connection::open(dir.join("state.db")).unwrap();
     c.execute_batch(sql).unwrap();
+}
+
+fn se_group(name: &str, group: &str) -> SeGroupSpec {
+    SeGroupSpec {
+        name: name.into(),
+        autoscale_group_id: group.into(),
+        scaling_mode: "NONE".into(),
+        min_scaleout_per_vs: 1,
+        max_scaleout_per_vs: 1,
+        vs_scalein_timeout: DeclaredDuration::parse("30s").unwrap(),
+        se_tunnel_mode: 0,
+        primary_forwarding_cost: 0.0,
+    }
+}
+
+fn vserver(name: &str, se_group: &str, service_type: &str, port: i64) -> VserverSpec {
+    VserverSpec {
+        name: name.into(),
+        se_group_id: se_group.into(),
+        service_type: service_type.into(),
+        port,
+        lb_method: "ROUNDROBIN".into(),
+        persistence: "NONE".into(),
+        services: vec![ServiceSpec {
+            name: format!("{name}-s1"),
+            address: "127.0.0.1".into(),
+            port: 9,
+            weight: 1,
+            enabled: true,
+        }],
+        slow_start: None,
+        max_connections: 0,
+        udp_health_request: String::new(),
+    }
+}
+
+/// The snapshot's answer on the group's publication, then the full check's
+/// (which publishes when it finds a difference): they agree, and once
+/// published both say settled. Whether the full check published.
+async fn publication_agrees(s: &Stack, what: &str) -> bool {
+    let snap = s.engine.group_snapshot(&s.group).await.unwrap().unwrap();
+    let settled = s.engine.publication_settled_in(&snap).unwrap();
+    let published = s.engine.settle_publication(&s.distributor).await.unwrap();
+    assert_eq!(
+        settled,
+        Some(!published),
+        "{what}: the snapshot said {settled:?}, the full check published: {published}"
+    );
+    let snap = s.engine.group_snapshot(&s.group).await.unwrap().unwrap();
+    assert_eq!(
+        s.engine.publication_settled_in(&snap).unwrap(),
+        Some(true),
+        "{what}: after publishing"
+    );
+    assert!(
+        !s.engine.settle_publication(&s.distributor).await.unwrap(),
+        "{what}: published twice"
+    );
+    published
+}
+
+/// The daemon's publication check from an evaluation's snapshot says
+/// "settled" exactly when the full check finds nothing to publish: over nodes
+/// with and without public addresses, a node not registered yet, and TCP,
+/// UDP and HTTP vservers over two SE groups, before and after each change.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_snapshots_publication_check_agrees_with_the_full_one() {
+    let s = Stack::up("flt_agree", "127.65.").await;
+    let store = s.engine.testing_store().clone();
+    let real = s.rows().into_iter().next().expect("the group's node");
+    let extra = |i: u8, public: bool, registered: bool| NodeRow {
+        id: format!("flt-agree-extra-{i}"),
+        group_id: s.group.clone(),
+        az: "az1".into(),
+        seq: 100 + i64::from(i),
+        state: NodeState::Active,
+        private_ip: format!("127.65.200.{i}"),
+        public_ip: public.then(|| format!("198.51.100.{i}")),
+        registered,
+        handle: serde_json::json!({}),
+        created_at: real.created_at,
+    };
+    store.insert_node(&extra(1, true, true)).unwrap();
+    store.insert_node(&extra(2, false, true)).unwrap();
+    store.insert_node(&extra(3, true, false)).unwrap();
+    store
+        .insert_se_group("flt-agree-se-a", &se_group("flt-agree-se-a", &s.group))
+        .unwrap();
+    store
+        .insert_se_group("flt-agree-se-b", &se_group("flt-agree-se-b", &s.group))
+        .unwrap();
+    for (id, name, se, ty, port) in [
+        (
+            "flt-agree-vs-1",
+            "flt-agree-tcp",
+            "flt-agree-se-a",
+            "TCP",
+            15432,
+        ),
+        (
+            "flt-agree-vs-2",
+            "flt-agree-udp",
+            "flt-agree-se-a",
+            "UDP",
+            15353,
+        ),
+        (
+            "flt-agree-vs-3",
+            "flt-agree-http",
+            "flt-agree-se-b",
+            "HTTP",
+            18080,
+        ),
+    ] {
+        store
+            .insert_vserver(id, &vserver(name, se, ty, port))
+            .unwrap();
+    }
+    assert!(publication_agrees(&s, "nodes and vservers added").await);
+    assert!(!publication_agrees(&s, "nothing changed").await);
+    store.update_node(&extra(3, true, true)).unwrap();
+    assert!(publication_agrees(&s, "a node registered").await);
+    let mut n = extra(2, false, true);
+    n.public_ip = Some("198.51.100.99".into());
+    store.update_node(&n).unwrap();
+    assert!(publication_agrees(&s, "a public address given").await);
+    store
+        .insert_vserver(
+            "flt-agree-vs-4",
+            &vserver("flt-agree-udp2", "flt-agree-se-b", "UDP", 15354),
+        )
+        .unwrap();
+    publication_agrees(&s, "a UDP vserver added").await;
+    store
+        .insert_vserver(
+            "flt-agree-vs-5",
+            &vserver("flt-agree-tcp2", "flt-agree-se-b", "TCP", 16000),
+        )
+        .unwrap();
+    assert!(publication_agrees(&s, "a TCP vserver added").await);
+    store.delete_vserver("flt-agree-vs-1").unwrap();
+    assert!(publication_agrees(&s, "a TCP vserver deleted").await);
 }
