@@ -438,7 +438,8 @@ fn take_turn(
     }
 }
 
-/// The group and its nodes as this evaluation reads them (two statements);
+/// The group, its nodes and its vservers as this evaluation reads them
+/// (three statements, awaited on the store connection's thread);
 /// `None` when the group is gone.
 async fn snapshot(shared: &Shared, id: &str) -> Result<Option<GroupSnapshot>, EvalError> {
     shared

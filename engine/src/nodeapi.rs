@@ -60,10 +60,6 @@ impl tonic::service::Interceptor for BearerToken {
 /// and every call carrying the node's own token (docs/security.md).
 pub struct NodeClient {
     addr: String,
-    /// Before `inner` (fields drop in their order): the connection's task is
-    /// ended before the client's handle to it goes, whose drop would start a
-    /// graceful close.
-    _task: ConnTask,
     inner: NodeApiClient<Authed>,
     resumed: bool,
 }
@@ -157,8 +153,8 @@ fn client_config(
 /// One HTTP/2 connection to a node's API, as the generated client calls it.
 /// A connection serves one client (the daemon dials a node per sample, or
 /// keeps it at short intervals): no buffer task and no reconnect, unlike
-/// tonic's channel. Every call has [`CALL_TIMEOUT`]; a failed call is
-/// `Unavailable`, which [`NodeClient`] reports as unreachable.
+/// tonic's channel. A call that fails to reach the node is `Unavailable`,
+/// which [`NodeClient`] reports as unreachable.
 #[derive(Clone)]
 pub struct NodeConn(hyper::client::conn::http2::SendRequest<Full<Bytes>>);
 
@@ -171,12 +167,17 @@ impl Service<http::Request<BoxBody>> for NodeConn {
     type Error = Box<dyn std::error::Error + Send + Sync>;
     type Future = BoxFuture<Self::Response, Self::Error>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx).map_err(|e| unavailable(chain(&e)))
+    /// Always ready: a closed connection fails at `send_request`, which
+    /// `call` reports as Unavailable. (The generated client turns an error
+    /// here into Unknown, which would read as a refusal.)
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
         let mut send = self.0.clone();
+        // The whole call, answer body included, is bounded by the client
+        // ([`NodeClient`]'s `CALL_TIMEOUT`).
         Box::pin(async move {
             // The whole request (one message) first: it then goes out as
             // HEADERS and one DATA frame that ends the stream, with no task
@@ -187,45 +188,28 @@ impl Service<http::Request<BoxBody>> for NodeConn {
                 .await
                 .map_err(|s| Box::new(s) as Self::Error)?
                 .to_bytes();
-            let sent = send.send_request(http::Request::from_parts(parts, Full::new(body)));
-            match tokio::time::timeout(CALL_TIMEOUT, sent).await {
-                Ok(r) => r
-                    .map(|res| res.map(tonic::body::boxed))
-                    .map_err(|e| unavailable(chain(&e))),
-                Err(_) => Err(unavailable(format!(
-                    "no answer within {} s",
-                    CALL_TIMEOUT.as_secs()
-                ))),
-            }
+            send.send_request(http::Request::from_parts(parts, Full::new(body)))
+                .await
+                .map(|res| res.map(tonic::body::boxed))
+                .map_err(|e| unavailable(chain(&e)))
         })
-    }
-}
-
-/// The task that runs a client's HTTP/2 connection, ended with the client.
-struct ConnTask(tokio::task::JoinHandle<()>);
-
-impl Drop for ConnTask {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
 /// A connection dialled by [`dial`].
 struct Dialled {
     conn: NodeConn,
-    task: ConnTask,
     resumed: bool,
 }
 
 /// Dials one node: TCP to its address, TLS with the group's client
 /// configuration for the node's certificate name, then HTTP/2, whose
-/// connection runs in a task of its own.
+/// connection runs in a task of its own until the client is dropped.
 ///
-/// A client is dropped only when it has its answers (or gave up on them), so
-/// its connection is closed abortively: the task ends and the socket sends a
-/// reset (zero linger). No GOAWAY, TLS close_notify or FIN exchange, and no
-/// TIME_WAIT left behind, for a connection the daemon opens per node at
-/// every sample.
+/// The socket has zero linger: once the client is dropped (it has its
+/// answers, or gave up on them), HTTP/2 closes and the socket is reset
+/// rather than left in TIME_WAIT, for a connection the daemon opens per node
+/// at every sample (unless the node's own close arrives first).
 async fn dial(
     addr: &str,
     tls: Arc<rustls::ClientConfig>,
@@ -247,14 +231,13 @@ async fn dial(
             .handshake(hyper_util::rt::TokioIo::new(tls))
             .await
             .map_err(|e| chain(&e))?;
-    let task = tokio::spawn(async move {
+    tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "node API connection ended");
         }
     });
     Ok(Dialled {
         conn: NodeConn(send),
-        task: ConnTask(task),
         resumed,
     })
 }
@@ -323,7 +306,6 @@ impl NodeClient {
             ),
             addr,
             resumed: dialled.resumed,
-            _task: dialled.task,
         })
     }
 
@@ -332,6 +314,23 @@ impl NodeClient {
     /// than a full handshake.
     pub fn resumed_session(&self) -> bool {
         self.resumed
+    }
+
+    /// A call's answer, or why there is none: at most [`CALL_TIMEOUT`] for
+    /// the whole call (its answer's body included), then unreachable.
+    fn answer<T>(
+        &self,
+        call: &'static str,
+        r: Result<Result<tonic::Response<T>, tonic::Status>, tokio::time::error::Elapsed>,
+    ) -> Result<T, NodeApiError> {
+        match r {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(self.refused(call, s)),
+            Err(_) => Err(NodeApiError::Unreachable {
+                addr: self.addr.clone(),
+                detail: format!("{call}: no answer within {} s", CALL_TIMEOUT.as_secs()),
+            }),
+        }
     }
 
     fn refused(&self, call: &'static str, s: tonic::Status) -> NodeApiError {
@@ -356,23 +355,16 @@ impl NodeClient {
     }
 
     pub async fn configure(&mut self, config: NodeConfig) -> Result<u64, NodeApiError> {
-        match self.inner.configure(config).await {
-            Ok(r) => Ok(r.into_inner().applied_version),
-            Err(s) => Err(self.refused("Configure", s)),
-        }
+        let r = tokio::time::timeout(CALL_TIMEOUT, self.inner.configure(config)).await;
+        self.answer("Configure", r).map(|r| r.applied_version)
     }
 
     pub async fn drain(&mut self, timeout: Duration) -> Result<u64, NodeApiError> {
-        match self
-            .inner
-            .drain(DrainRequest {
-                timeout_ms: timeout.as_millis() as u64,
-            })
-            .await
-        {
-            Ok(r) => Ok(r.into_inner().active_connections),
-            Err(s) => Err(self.refused("Drain", s)),
-        }
+        let req = DrainRequest {
+            timeout_ms: timeout.as_millis() as u64,
+        };
+        let r = tokio::time::timeout(CALL_TIMEOUT, self.inner.drain(req)).await;
+        self.answer("Drain", r).map(|r| r.active_connections)
     }
 
     /// The node's statistics, CPU, memory and throughput over the last second.
@@ -386,15 +378,13 @@ impl NodeClient {
         let req = StatsRequest {
             window_ms: window.as_millis() as u64,
         };
-        match self.inner.get_stats(req).await {
-            Ok(r) => Ok(r.into_inner()),
-            Err(s) => Err(self.refused("GetStats", s)),
-        }
+        let r = tokio::time::timeout(CALL_TIMEOUT, self.inner.get_stats(req)).await;
+        self.answer("GetStats", r)
     }
 }
 
-/// An error with its causes: tonic's transport error says only "transport
-/// error", the reason (a certificate refused, say) is in its sources.
+/// An error with its causes: a TLS or HTTP/2 error's reason (a certificate
+/// refused, say) is often only in its sources.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();

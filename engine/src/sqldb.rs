@@ -19,7 +19,9 @@
 //! (the provider and the daemon call the store from async code). So each client
 //! lives on a dedicated thread ([`PgConn`]); each call sends it the SQL and owned
 //! parameters over a channel and waits for the rows, at most the call's
-//! deadline. Connections come from small pools ([`PgPool`]) whose lock is never
+//! deadline. An async caller can instead hand a connection's thread a whole
+//! function of statements ([`PgConn::run`]) and await its answer, with no
+//! thread of its own blocked. Connections come from small pools ([`PgPool`]) whose lock is never
 //! held across a call: a connection that stalls (a stopped server, a half-open
 //! socket) is given up at its deadline, while the others, and the pool kept for
 //! lease renewals, go on. Every connection has TCP keepalives, a connect
@@ -606,8 +608,13 @@ impl PgConn {
             let _ = answer_tx.send((r, db.sent));
         }));
         self.tx.send(job).map_err(|_| thread_gone())?;
+        // Until the answer comes, the connection counts as stalled: a caller
+        // that stops waiting (its future dropped) leaves it out of the pool,
+        // not given to the next caller behind a call that may still run.
+        self.stalled = true;
         match tokio::time::timeout(self.deadline, answer_rx).await {
             Ok(Ok((r, sent))) => {
+                self.stalled = false;
                 count_statements(sent);
                 r
             }
@@ -782,7 +789,9 @@ impl PgPool {
     }
 
     fn put(&self, mut c: PgConn) {
-        if c.stalled {
+        // A stalled connection, or one whose thread ended (a panic in a
+        // function run on it), is never used again.
+        if c.stalled || c.state.load(Ordering::SeqCst) == ENDED {
             return;
         }
         c.idle_since = Instant::now();

@@ -51,15 +51,25 @@ impl Moto {
     }
 
     /// Everything moto holds, as its `/moto-api/data.json` shows it.
+    /// moto cannot write its state out while any security group has rules
+    /// (a 500: "SecurityGroupRule is not JSON serializable"), which another
+    /// test's group may have for a moment: tried for up to 30 s.
     pub fn state(&self) -> Value {
-        let out = std::process::Command::new("curl")
-            .args(["-sf", "--max-time", "10", "--cacert"])
-            .arg(&self.ca)
-            .arg(format!("{}/moto-api/data.json", self.endpoint))
-            .output()
-            .expect("curl");
-        assert!(out.status.success(), "curl data.json: {out:?}");
-        serde_json::from_slice(&out.stdout).expect("moto's state is JSON")
+        let mut last = None;
+        for _ in 0..30 {
+            let out = std::process::Command::new("curl")
+                .args(["-sf", "--max-time", "10", "--cacert"])
+                .arg(&self.ca)
+                .arg(format!("{}/moto-api/data.json", self.endpoint))
+                .output()
+                .expect("curl");
+            if out.status.success() {
+                return serde_json::from_slice(&out.stdout).expect("moto's state is JSON");
+            }
+            last = Some(out);
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+        panic!("curl data.json, for 30 s: {last:?}")
     }
 
     pub fn instance(&self, id: &str) -> Value {
