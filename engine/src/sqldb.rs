@@ -193,7 +193,11 @@ impl Dialect {
     /// `sql` with [`NOW_MS`] as this database's clock reads it.
     pub fn with_clock(self, sql: &str) -> String {
         let now = match self {
-            Dialect::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+            // Rounded: SQLite's clock is whole milliseconds, and the
+            // floating-point day fraction truncated could read 1 ms early.
+            Dialect::Sqlite => {
+                "CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+            }
             Dialect::Postgres => "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
         };
         sql.replace(NOW_MS, now)
