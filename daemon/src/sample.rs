@@ -1,7 +1,7 @@
 //! Sampling a group's serving nodes through their management API.
 
 use crate::metrics::{RampingService, SampleOut};
-use lbscale_engine::nodeapi::{EngineCredentials, NodeClient};
+use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError, NodeClient};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
@@ -132,11 +132,15 @@ pub(crate) async fn sample(
             let call = async {
                 if let Some(c) = cached {
                     let mut client = c.client;
-                    if let Ok(stats) = client.stats_over(window).await {
-                        return Ok((client, stats));
+                    match client.stats_over(window).await {
+                        Ok(stats) => return Ok((client, stats)),
+                        // The kept connection ended (the node restarted,
+                        // say): a new one, within the same timeout.
+                        Err(NodeApiError::Unreachable { .. }) => {}
+                        // The node answered: a new connection would hear
+                        // the same.
+                        Err(e) => return Err(e.to_string()),
                     }
-                    // The kept connection ended (the node restarted, say):
-                    // a new one, within the same timeout.
                 }
                 let mut client = NodeClient::connect_with(&creds, &ip, port, &id, &token)
                     .await

@@ -18,6 +18,7 @@ use tonic::service::interceptor::InterceptedService;
 
 pub mod auth;
 mod sessions;
+mod wire;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the engine's client certificate for a group is used before a new
@@ -60,6 +61,9 @@ impl tonic::service::Interceptor for BearerToken {
 /// and every call carrying the node's own token (docs/security.md).
 pub struct NodeClient {
     addr: String,
+    // Dropped before `inner`, so that the connection writes nothing more
+    // once the client is gone (wire.rs).
+    _gone: wire::Gone,
     inner: NodeApiClient<Authed>,
     resumed: bool,
 }
@@ -199,6 +203,7 @@ impl Service<http::Request<BoxBody>> for NodeConn {
 /// A connection dialled by [`dial`].
 struct Dialled {
     conn: NodeConn,
+    gone: wire::Gone,
     resumed: bool,
 }
 
@@ -206,10 +211,10 @@ struct Dialled {
 /// configuration for the node's certificate name, then HTTP/2, whose
 /// connection runs in a task of its own until the client is dropped.
 ///
-/// The socket has zero linger: once the client is dropped (it has its
-/// answers, or gave up on them), HTTP/2 closes and the socket is reset
-/// rather than left in TIME_WAIT, for a connection the daemon opens per node
-/// at every sample (unless the node's own close arrives first).
+/// HTTP/2 writes through a [`wire::Wire`]: a flight at a time, and nothing
+/// once the client is dropped (it has its answers, or gave up on them). The
+/// socket has zero linger, so it is then reset rather than left in
+/// TIME_WAIT, for a connection the daemon opens per node at every sample.
 async fn dial(
     addr: &str,
     tls: Arc<rustls::ClientConfig>,
@@ -225,6 +230,7 @@ async fn dial(
         .await
         .map_err(|e| chain(&e))?;
     let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
+    let (tls, gone) = wire::Wire::new(tls);
     let (send, conn) =
         hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
             .timer(hyper_util::rt::TokioTimer::new())
@@ -238,6 +244,7 @@ async fn dial(
     });
     Ok(Dialled {
         conn: NodeConn(send),
+        gone,
         resumed,
     })
 }
@@ -305,6 +312,7 @@ impl NodeClient {
                 origin,
             ),
             addr,
+            _gone: dialled.gone,
             resumed: dialled.resumed,
         })
     }

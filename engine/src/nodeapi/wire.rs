@@ -1,0 +1,226 @@
+//! How a node API connection writes to its TLS stream.
+//!
+//! HTTP/2 writes in pieces: its preface on its own, then SETTINGS and a
+//! request's HEADERS and DATA, and each write to the TLS stream becomes a
+//! record and a segment of its own at once. [`Wire`] gathers the writes until
+//! HTTP/2 flushes, so that one flight goes out as one record in one segment.
+//! On loopback, and to a node next to the daemon, a segment's cost is mostly
+//! the kernel's, and the daemon opens a connection per node at every sample.
+//!
+//! Once the client has gone ([`Gone`] dropped: it has its answers, or gave
+//! up on them), nothing more is written: HTTP/2's GOAWAY and TLS's
+//! close_notify would tell a peer that nobody listens to any more that the
+//! connection ends, which the reset of the socket (zero linger) says too.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Past this many bytes gathered, they are sent before more are taken.
+const GATHER_UP_TO: usize = 16 * 1024;
+
+/// A stream whose writes wait for a flush, and stop once its client is gone.
+pub(super) struct Wire<T> {
+    io: T,
+    out: Vec<u8>,
+    sent: usize,
+    gone: Arc<AtomicBool>,
+}
+
+/// Held by the client of a [`Wire`]: dropping it ends the wire's writes.
+pub(super) struct Gone(Arc<AtomicBool>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl<T> Wire<T> {
+    pub(super) fn new(io: T) -> (Wire<T>, Gone) {
+        let gone = Arc::new(AtomicBool::new(false));
+        let wire = Wire {
+            io,
+            out: Vec::new(),
+            sent: 0,
+            gone: gone.clone(),
+        };
+        (wire, Gone(gone))
+    }
+
+    fn gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> Wire<T> {
+    /// Writes out what is gathered.
+    fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sent < self.out.len() {
+            let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.out[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+        }
+        self.sent = 0;
+        // A large request (a configuration) leaves no large buffer behind on
+        // a connection that is kept.
+        if self.out.capacity() > GATHER_UP_TO {
+            self.out = Vec::new();
+        } else {
+            self.out.clear();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_gather(&mut self, cx: &mut Context<'_>, bufs: &[&[u8]]) -> Poll<io::Result<usize>> {
+        let n = bufs.iter().map(|b| b.len()).sum();
+        if self.gone() {
+            return Poll::Ready(Ok(n));
+        }
+        if self.out.len() >= GATHER_UP_TO {
+            ready!(self.poll_send(cx))?;
+        }
+        for b in bufs {
+            self.out.extend_from_slice(b);
+        }
+        Poll::Ready(Ok(n))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Wire<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().poll_gather(cx, &[buf])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let slices: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
+        self.get_mut().poll_gather(cx, &slices)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.gone() {
+            return Poll::Ready(Ok(()));
+        }
+        ready!(this.poll_send(cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    /// Once the client is gone, no close_notify and no FIN: the socket is
+    /// reset when it is dropped.
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.gone() {
+            return Poll::Ready(Ok(()));
+        }
+        ready!(this.poll_send(cx))?;
+        Pin::new(&mut this.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Counts the writes that reach the stream under the wire.
+    struct Counted<T> {
+        io: T,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            this.writes.fetch_add(1, Ordering::Relaxed);
+            Pin::new(&mut this.io).poll_write(cx, buf)
+        }
+        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().io).poll_flush(cx)
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+        }
+    }
+
+    #[tokio::test]
+    async fn writes_go_out_together_at_a_flush_and_not_at_all_once_the_client_is_gone() {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Counted {
+            io: near,
+            writes: writes.clone(),
+        };
+        let (mut wire, gone) = Wire::new(counted);
+        wire.write_all(b"preface ").await.unwrap();
+        wire.write_all(b"settings ").await.unwrap();
+        wire.write_vectored(&[io::IoSlice::new(b"headers "), io::IoSlice::new(b"data")])
+            .await
+            .unwrap();
+        assert_eq!(
+            writes.load(Ordering::Relaxed),
+            0,
+            "nothing before the flush"
+        );
+        wire.flush().await.unwrap();
+        assert_eq!(writes.load(Ordering::Relaxed), 1, "one write at the flush");
+        let mut got = vec![0; 29];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"preface settings headers data");
+
+        // More than the gathering bound goes out before more is taken.
+        let big = vec![7u8; GATHER_UP_TO];
+        wire.write_all(&big).await.unwrap();
+        wire.write_all(b"x").await.unwrap();
+        assert_eq!(writes.load(Ordering::Relaxed), 2);
+        wire.flush().await.unwrap();
+        let mut got = vec![0; GATHER_UP_TO + 1];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(got[GATHER_UP_TO], b'x');
+
+        drop(gone);
+        wire.write_all(b"goaway").await.unwrap();
+        wire.flush().await.unwrap();
+        wire.shutdown().await.unwrap();
+        assert_eq!(
+            writes.load(Ordering::Relaxed),
+            3,
+            "nothing after the client has gone"
+        );
+        // And no shutdown reached the far end either: it still waits for data.
+        let mut one = [0u8; 1];
+        let r = tokio::time::timeout(std::time::Duration::from_millis(100), far.read(&mut one));
+        assert!(r.await.is_err(), "the far end saw an end of stream");
+    }
+}
