@@ -77,18 +77,26 @@ impl<T: AsyncWrite + Unpin> Wire<T> {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_gather(&mut self, cx: &mut Context<'_>, bufs: &[&[u8]]) -> Poll<io::Result<usize>> {
-        let n = bufs.iter().map(|b| b.len()).sum();
+    /// Whether writes are still taken (the client is not gone), once there
+    /// is room for them.
+    fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
         if self.gone() {
-            return Poll::Ready(Ok(n));
+            return Poll::Ready(Ok(false));
         }
         if self.out.len() >= GATHER_UP_TO {
             ready!(self.poll_send(cx))?;
         }
-        for b in bufs {
-            self.out.extend_from_slice(b);
+        Poll::Ready(Ok(true))
+    }
+
+    /// Whether the stream under the wire is still used (the client is not
+    /// gone), once what is gathered is written out.
+    fn poll_drained(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
+        if self.gone() {
+            return Poll::Ready(Ok(false));
         }
-        Poll::Ready(Ok(n))
+        ready!(self.poll_send(cx))?;
+        Poll::Ready(Ok(true))
     }
 }
 
@@ -108,7 +116,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut().poll_gather(cx, &[buf])
+        let this = self.get_mut();
+        if ready!(this.poll_room(cx))? {
+            this.out.extend_from_slice(buf);
+        }
+        Poll::Ready(Ok(buf.len()))
     }
 
     fn poll_write_vectored(
@@ -116,8 +128,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let slices: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
-        self.get_mut().poll_gather(cx, &slices)
+        let this = self.get_mut();
+        if ready!(this.poll_room(cx))? {
+            for b in bufs {
+                this.out.extend_from_slice(b);
+            }
+        }
+        Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -126,10 +143,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.gone() {
+        if !ready!(this.poll_drained(cx))? {
             return Poll::Ready(Ok(()));
         }
-        ready!(this.poll_send(cx))?;
         Pin::new(&mut this.io).poll_flush(cx)
     }
 
@@ -137,10 +153,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
     /// reset when it is dropped.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.gone() {
+        if !ready!(this.poll_drained(cx))? {
             return Poll::Ready(Ok(()));
         }
-        ready!(this.poll_send(cx))?;
         Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }
