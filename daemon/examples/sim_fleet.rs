@@ -95,7 +95,7 @@ fn main() {
             });
             // As `lbscale daemon` runs it: its allocator settings, two worker
             // threads.
-            lbscale_daemon::malloc::limit_arenas();
+            lbscale_daemon::malloc::tune();
             let r = runtime(2).block_on(lbscale_daemon::run_with_clouds(cfg, clouds, async {
                 let mut term =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -1,26 +1,50 @@
-//! The daemon's memory allocator settings.
+//! The daemon's memory allocator: mimalloc, for every binary that links the
+//! daemon (`lbscale`, the benchmark's `sim_fleet`).
 //!
-//! glibc's malloc gives threads arenas of their own, up to eight per core, as
-//! they contend; the daemon's runtime, blocking and store threads then grow
-//! them each, and resident memory kept rising (bench/daemon_scale.sh, 2,667
-//! groups: 194 to 241 MiB over ten intervals; 10,000 groups: 454 to 479 MiB
-//! over three). With two arenas it stays flat (116-119 MiB, and 310 MiB for
-//! 10,000 groups), for 5 to 12 % more CPU per evaluation. So the daemon caps
-//! the arenas at two, unless the operator set `MALLOC_ARENA_MAX` (which glibc
-//! reads itself).
+//! At thousands of groups the daemon opens six node connections per
+//! evaluation, each with its TLS and HTTP/2 buffers; with glibc's malloc,
+//! allocating and freeing them was about a quarter of the daemon's CPU
+//! (perf, bench/daemon_scale.sh at 2,667 groups x 16 s), and its arenas had to
+//! be capped at two to keep resident memory from growing. With mimalloc the
+//! CPU per evaluation fell by about a third, for more resident memory
+//! (docs/scaling.md has the figures).
 
-/// Arenas the daemon's allocator may use.
-const ARENAS: i32 = 2;
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Caps glibc's malloc arenas at [`ARENAS`]; call it first, before any thread
-/// starts. Elsewhere than glibc, nothing to do.
-pub fn limit_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter; called before the
-        // process starts threads of its own.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, ARENAS);
+/// mimalloc's `purge_delay` option: how long freed memory is kept before it
+/// is given back to the system, in milliseconds.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Tunes the allocator for the daemon: freed memory goes back to the system
+/// at once rather than after mimalloc's default second (2,667 groups: 309
+/// instead of 400 MiB resident, for no measurable CPU), unless the operator
+/// set `MIMALLOC_PURGE_DELAY` (which mimalloc reads itself). Call it first,
+/// before the runtime starts.
+pub fn tune() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets one of the allocator's options, which mimalloc allows
+        // at any time.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MI_OPTION_PURGE_DELAY;
+    use libmimalloc_sys::mi_option_get;
+
+    /// The option's number is mimalloc's own (the bindings do not name it):
+    /// its default, 1,000 ms (mimalloc 3's options.c), until `tune` sets it to 0.
+    #[test]
+    fn tune_sets_the_purge_delay_from_its_default_to_zero() {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+            return;
         }
+        // SAFETY: reads one of the allocator's options.
+        assert_eq!(unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) }, 1000);
+        super::tune();
+        // SAFETY: as above.
+        assert_eq!(unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) }, 0);
     }
 }

@@ -50,7 +50,7 @@ environment:
   LBSCALE_LOG                log filter, such as info or lbscale_daemon=debug,warn;
                              default: RUST_LOG, else info
   RUST_LOG                   log filter when LBSCALE_LOG is unset
-  MALLOC_ARENA_MAX           glibc's malloc arenas; unset, the daemon uses 2
+  MIMALLOC_PURGE_DELAY       ms the allocator keeps freed memory; unset, 0
   PATH                       where lbscale-node is looked for (local cloud)
   AWS_REGION                 aws cloud: the region (else AWS_DEFAULT_REGION)
   AWS_DEFAULT_REGION         aws cloud: the region when AWS_REGION is unset
@@ -260,7 +260,7 @@ pub fn run(args: &[String]) -> Result<(), CliError> {
     if let Some(g) = grace {
         cfg.shutdown_grace = g;
     }
-    lbscale_daemon::malloc::limit_arenas();
+    lbscale_daemon::malloc::tune();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
