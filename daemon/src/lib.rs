@@ -301,7 +301,7 @@ pub async fn run_with_clouds(
                 tracing::error!(error = %e, "a group evaluation panicked or was cancelled");
             }
         }
-        match changed(&watch, &listed) {
+        match changed(&watch, &listed).await {
             Ok(None) => {}
             Ok(Some(fingerprint)) => {
                 if let Err(e) = refresh(&shared, &mut groups) {
@@ -402,11 +402,11 @@ struct Listed {
 /// The groups' fingerprint when they must be listed again: it changed since
 /// the last listing (a group added, removed or changed), or that listing is
 /// [`RELIST_EVERY`] old. One row per tick, whatever the number of groups.
-fn changed(
+async fn changed(
     watch: &lbscale_engine::store::Store,
     listed: &Option<Listed>,
 ) -> Result<Option<(i64, i64, i64)>, lbscale_engine::store::StoreError> {
-    let now = watch.groups_fingerprint()?;
+    let now = watch.groups_fingerprint().await?;
     Ok(match listed {
         Some(l) if l.fingerprint == now && l.at.elapsed() < RELIST_EVERY => None,
         _ => Some(now),

@@ -697,6 +697,8 @@ pub(crate) struct PgPool {
     limits: PgLimits,
     idle: Mutex<Vec<PgConn>>,
     freed: Condvar,
+    /// As `freed`, for callers that wait on an async runtime ([`PgPool::get_async`]).
+    freed_async: tokio::sync::Notify,
     threads: Arc<AtomicUsize>,
     /// Calls that got no answer by their deadline and still wait for it.
     stalls: Arc<AtomicUsize>,
@@ -711,6 +713,7 @@ impl PgPool {
             limits,
             idle: Mutex::new(Vec::new()),
             freed: Condvar::new(),
+            freed_async: tokio::sync::Notify::new(),
             threads: Arc::new(AtomicUsize::new(0)),
             stalls: Arc::new(AtomicUsize::new(0)),
             name,
@@ -743,13 +746,7 @@ impl PgPool {
             }
             let now = Instant::now();
             if now >= until {
-                return Err(StoreError::Unreachable(format!(
-                    "all {} connections of the {} pool to {} are busy or stalled (waited {} ms)",
-                    self.limits.max_connections,
-                    self.name,
-                    self.target.redacted,
-                    wait.as_millis()
-                )));
+                return Err(self.all_busy(wait));
             }
             // A stalled thread that ends does not signal: look again soon.
             let step = (until - now).min(Duration::from_millis(50));
@@ -759,6 +756,54 @@ impl PgPool {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// As [`PgPool::get`] (each call with the pool's call deadline), for a
+    /// caller on an async runtime: it waits for a free connection without
+    /// holding a thread, in turn with the other callers that wait so, and a
+    /// new connection is opened on a blocking-pool thread. A burst of
+    /// evaluations that finds every connection busy queues here, not in
+    /// threads of their own.
+    pub async fn get_async(&self, wait: Duration) -> Result<Pooled<'_>> {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before looking, so that a connection given back
+            // between the look and the wait is not missed.
+            let freed = self.freed_async.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(c) = self.idle_now() {
+                return Ok(c);
+            }
+            if let Some(slot) = self.reserve() {
+                let (target, limits) = (self.target.clone(), self.limits);
+                let conn =
+                    tokio::task::spawn_blocking(move || PgConn::connect(&target, limits, slot))
+                        .await
+                        .map_err(|e| StoreError::Sql(format!("connecting to PostgreSQL: {e}")))??;
+                return Ok(Pooled {
+                    pool: self,
+                    conn: Some(conn),
+                });
+            }
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return Err(self.all_busy(wait));
+            }
+            // A stalled thread that ends does not signal: look again soon.
+            let step = (until - now).min(Duration::from_millis(50));
+            let _ = tokio::time::timeout(step, freed).await;
+        }
+    }
+
+    fn all_busy(&self, waited: Duration) -> StoreError {
+        StoreError::Unreachable(format!(
+            "all {} connections of the {} pool to {} are busy or stalled (waited {} ms)",
+            self.limits.max_connections,
+            self.name,
+            self.target.redacted,
+            waited.as_millis()
+        ))
     }
 
     /// An idle connection, if one is free now (no wait, no new connection),
@@ -805,6 +850,7 @@ impl PgPool {
         idle.push(c);
         drop(idle);
         self.freed.notify_one();
+        self.freed_async.notify_one();
     }
 
     /// How many calls gave up waiting for the server and still wait: while

@@ -743,20 +743,21 @@ impl Store {
     }
 
     /// As [`Store::with`], for a caller on an async runtime: on PostgreSQL,
-    /// with a connection idle, `f` runs on that connection's thread and the
-    /// caller awaits it, so that no worker thread of the runtime blocks and
-    /// `f`'s statements are handed over once, not each. Otherwise (SQLite,
-    /// every connection busy) as [`Store::with`].
+    /// the caller awaits a free connection and then `f`, which runs on that
+    /// connection's thread, so that no worker thread of the runtime blocks
+    /// and `f`'s statements are handed over once, not each. On SQLite (a
+    /// local file) as [`Store::with`].
     async fn with_async<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        if let Backend::Postgres { pool, .. } = &self.backend {
-            if let Some(mut conn) = pool.idle_now() {
-                return conn.run(f).await;
+        match &self.backend {
+            Backend::Postgres { pool, .. } => {
+                let mut conn = pool.get_async(pool.limits().call_deadline).await?;
+                conn.run(f).await
             }
+            Backend::Sqlite(_) => self.with(f),
         }
-        self.with(f)
     }
 
     /// As [`Store::with`], on the connections kept for leases.
@@ -1151,8 +1152,8 @@ impl Store {
     /// one's `created_at`. One row, whatever the number of groups: the daemon
     /// reads it each tick and lists the versions ([`Store::group_versions`])
     /// only when it changed.
-    pub fn groups_fingerprint(&self) -> Result<(i64, i64, i64)> {
-        self.with(|c| {
+    pub async fn groups_fingerprint(&self) -> Result<(i64, i64, i64)> {
+        self.with_async(|c| {
             let r = c.one(
                 "SELECT count(*), CAST(coalesce(sum(version), 0) AS BIGINT), coalesce(max(created_at), 0)
                  FROM groups",
@@ -1163,6 +1164,7 @@ impl Store {
                 None => Ok((0, 0, 0)),
             }
         })
+        .await
     }
     /// The group with its row version, read together.
     pub fn group_with_version(&self, id: &str) -> Result<Option<(Row<GroupSpec>, i64)>> {

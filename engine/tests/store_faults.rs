@@ -542,3 +542,73 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
         }
     }
 }
+
+// Group reads (`group_rows`) that find every connection of the pool busy
+// wait for one without a thread each: on a runtime with one worker and one
+// blocking thread, eight of them, queued behind four writers that wait for the
+// store's write lock, all get their answer once the writers are through, and
+// the runtime's other tasks run all along.
+#[test]
+fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
+    let Some((ts, _app, s)) = postgres_store("busy_pool") else {
+        return;
+    };
+    group(&s, "g1");
+    let lock = ts.hold_write_lock();
+    // The pool's four connections, each in a write that waits for the lock.
+    let writers: Vec<_> = (0..4)
+        .map(|i| {
+            let s = s.clone();
+            std::thread::spawn(move || group(&s, &format!("w{i}")))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let held = Duration::from_millis(2000);
+    let (answers, took, gap) = rt.block_on(async move {
+        let ticks = tokio::spawn(async move {
+            let mut at = vec![Instant::now()];
+            while at[0].elapsed() < held + Duration::from_millis(1000) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                at.push(Instant::now());
+            }
+            at
+        });
+        let t = Instant::now();
+        let reads: Vec<_> = (0..8)
+            .map(|_| {
+                let s = s.clone();
+                tokio::spawn(async move { s.group_rows("g1").await })
+            })
+            .collect();
+        tokio::time::sleep(held).await;
+        drop(lock);
+        let mut answers = Vec::new();
+        for r in reads {
+            answers.push(r.await.unwrap());
+        }
+        let took = t.elapsed();
+        let at = ticks.await.unwrap();
+        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        (answers, took, gap)
+    });
+    for w in writers {
+        w.join().unwrap();
+    }
+    eprintln!("8 reads behind a busy pool answered after {took:?}; longest gap between ticks {gap:?}");
+    for a in answers {
+        let rows = a.unwrap().expect("g1 is there");
+        assert_eq!(rows.record.row.id, "g1");
+    }
+    // They did wait for the writers (the pool was busy), and held no worker.
+    assert!(took >= held, "the reads answered after {took:?}");
+    assert!(
+        gap < Duration::from_millis(1000),
+        "the runtime's only worker was held {gap:?} by reads waiting for a connection"
+    );
+}

@@ -200,9 +200,11 @@ mod tests {
         let (mut wire, gone) = Wire::new(counted);
         wire.write_all(b"preface ").await.unwrap();
         wire.write_all(b"settings ").await.unwrap();
-        wire.write_vectored(&[io::IoSlice::new(b"headers "), io::IoSlice::new(b"data")])
+        let taken = wire
+            .write_vectored(&[io::IoSlice::new(b"headers "), io::IoSlice::new(b"data")])
             .await
             .unwrap();
+        assert_eq!(taken, 12, "both slices taken into the flight");
         assert_eq!(
             writes.load(Ordering::Relaxed),
             0,
