@@ -664,26 +664,39 @@ fn store_error(f: PgFailure, secret: Option<&str>) -> StoreError {
     }
 }
 
-impl Db for PgConn {
+/// A PostgreSQL connection as a statement reaches it: the request built from
+/// the store's SQL, and its answer. [`PgConn`] hands it to the connection's
+/// thread; [`Direct`], on that thread, sends it to the server.
+trait Serve {
+    fn serve(&mut self, req: Req) -> Result<Answer>;
+}
+
+impl<S: Serve> Db for S {
     fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
         let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
-        match self.call(Req::Query(sql, params.to_vec()))? {
+        match self.serve(Req::Query(sql, params.to_vec()))? {
             Answer::Rows(r) => Ok(r),
             _ => unreachable!("a query answers rows"),
         }
     }
     fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
         let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
-        match self.call(Req::Execute(sql, params.to_vec()))? {
+        match self.serve(Req::Execute(sql, params.to_vec()))? {
             Answer::Count(n) => Ok(n),
             _ => unreachable!("an execute answers a count"),
         }
     }
     fn batch(&mut self, sql: &str) -> Result<()> {
-        self.call(Req::Batch(sql.to_string())).map(|_| ())
+        self.serve(Req::Batch(sql.to_string())).map(|_| ())
     }
     fn dialect(&self) -> Dialect {
         Dialect::Postgres
+    }
+}
+
+impl Serve for PgConn {
+    fn serve(&mut self, req: Req) -> Result<Answer> {
+        self.call(req)
     }
 }
 
@@ -1091,7 +1104,7 @@ struct Direct<'a> {
     sent: u64,
 }
 
-impl Direct<'_> {
+impl Serve for Direct<'_> {
     fn serve(&mut self, req: Req) -> Result<Answer> {
         self.sent += 1;
         self.session
@@ -1100,28 +1113,6 @@ impl Direct<'_> {
     }
 }
 
-impl Db for Direct<'_> {
-    fn query(&mut self, sql: &str, params: &[Value]) -> Result<Vec<SqlRow>> {
-        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
-        match self.serve(Req::Query(sql, params.to_vec()))? {
-            Answer::Rows(r) => Ok(r),
-            _ => unreachable!("a query answers rows"),
-        }
-    }
-    fn execute(&mut self, sql: &str, params: &[Value]) -> Result<u64> {
-        let sql = Dialect::Postgres.with_clock(&pg_placeholders(sql));
-        match self.serve(Req::Execute(sql, params.to_vec()))? {
-            Answer::Count(n) => Ok(n),
-            _ => unreachable!("an execute answers a count"),
-        }
-    }
-    fn batch(&mut self, sql: &str) -> Result<()> {
-        self.serve(Req::Batch(sql.to_string())).map(|_| ())
-    }
-    fn dialect(&self) -> Dialect {
-        Dialect::Postgres
-    }
-}
 
 /// The URL with its password (in the user info or a `password=` parameter)
 /// replaced by `***`.

@@ -288,6 +288,20 @@ fn signal(sig: &str, pids: &[i32]) {
     signal_backends(sig, pids)
 }
 
+/// Ticks every 20 ms on the runtime for `span`; answers how many ticks there
+/// were and the longest gap between two: what a call held the runtime up.
+fn ticking_for(span: Duration) -> tokio::task::JoinHandle<(usize, Duration)> {
+    tokio::spawn(async move {
+        let mut at = vec![Instant::now()];
+        while at[0].elapsed() < span {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            at.push(Instant::now());
+        }
+        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        (at.len(), gap)
+    })
+}
+
 fn postgres_store(name: &str) -> Option<(TestStore, String, Arc<Store>)> {
     let ts = TestStore::new(Kind::Postgres, name)?;
     let app = format!("lbt-{name}-{}", std::process::id());
@@ -435,14 +449,7 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
     let stall = StoppedBackends::start(&ts.url, &app);
     rt.block_on(async move {
         // Ticks every 20 ms, from before the stalled call until after it.
-        let ticks = tokio::spawn(async {
-            let mut at = vec![Instant::now()];
-            while at[0].elapsed() < Duration::from_millis(3500) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                at.push(Instant::now());
-            }
-            at
-        });
+        let ticks = ticking_for(Duration::from_millis(3500));
         tokio::time::sleep(Duration::from_millis(100)).await;
         let stuck = tokio::spawn(async move {
             let t = Instant::now();
@@ -450,11 +457,9 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
             (r, t.elapsed())
         });
         let (r, took) = stuck.await.unwrap();
-        let at = ticks.await.unwrap();
-        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        let (count, gap) = ticks.await.unwrap();
         eprintln!(
-            "{} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}",
-            at.len()
+            "{count} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}"
         );
         assert!(r.is_err(), "the probe answered on a stopped backend");
         assert!(took >= Duration::from_secs(2), "{took:?}");
@@ -498,19 +503,11 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
     let s = Arc::new(s);
     let s2 = s.clone();
     let (r, took, gap) = rt.block_on(async move {
-        let ticks = tokio::spawn(async {
-            let mut at = vec![Instant::now()];
-            while at[0].elapsed() < Duration::from_secs(12) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                at.push(Instant::now());
-            }
-            at
-        });
+        let ticks = ticking_for(Duration::from_secs(12));
         let t = Instant::now();
         let r = s2.group_rows("g1").await;
         let took = t.elapsed();
-        let at = ticks.await.unwrap();
-        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        let (_, gap) = ticks.await.unwrap();
         (r, took, gap)
     });
     eprintln!("the stalled read {r:?} after {took:?}; longest gap between ticks {gap:?}");
@@ -571,14 +568,7 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
         .unwrap();
     let held = Duration::from_millis(2000);
     let (answers, took, gap) = rt.block_on(async move {
-        let ticks = tokio::spawn(async move {
-            let mut at = vec![Instant::now()];
-            while at[0].elapsed() < held + Duration::from_millis(1000) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                at.push(Instant::now());
-            }
-            at
-        });
+        let ticks = ticking_for(held + Duration::from_millis(1000));
         let t = Instant::now();
         let reads: Vec<_> = (0..8)
             .map(|_| {
@@ -593,8 +583,7 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
             answers.push(r.await.unwrap());
         }
         let took = t.elapsed();
-        let at = ticks.await.unwrap();
-        let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        let (_, gap) = ticks.await.unwrap();
         (answers, took, gap)
     });
     for w in writers {
