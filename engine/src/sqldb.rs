@@ -62,6 +62,12 @@ fn count_statement() {
 
 fn count_statements(n: u64) {
     STATEMENTS.fetch_add(n, Ordering::Relaxed);
+    count_here(n);
+}
+
+/// Counts on the calling thread statements already counted for the process:
+/// those a function run on a connection's thread sent ([`PgConn::run`]).
+fn count_here(n: u64) {
     SENT_HERE.with(|c| c.set(c.get() + n));
 }
 
@@ -619,7 +625,7 @@ impl PgConn {
         match tokio::time::timeout(self.deadline, answer_rx).await {
             Ok(Ok((r, sent))) => {
                 self.stalled = false;
-                count_statements(sent);
+                count_here(sent);
                 r
             }
             Ok(Err(_)) => Err(thread_gone()),
@@ -1096,8 +1102,9 @@ impl Session {
 }
 
 /// The connection as a function run on its thread sees it ([`PgConn::run`]):
-/// each statement straight to the server. It counts its statements for the
-/// caller, whose thread they are counted on.
+/// each statement straight to the server. It counts each statement for the
+/// process as it sends it, and how many it sent for the caller, whose thread
+/// they are counted on when the answer comes.
 struct Direct<'a> {
     session: &'a mut Session,
     secret: Option<&'a str>,
@@ -1106,6 +1113,9 @@ struct Direct<'a> {
 
 impl Serve for Direct<'_> {
     fn serve(&mut self, req: Req) -> Result<Answer> {
+        // For the process here, as it is sent: a caller that stopped
+        // waiting (a timeout, a cancel) still leaves it counted.
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
         self.sent += 1;
         self.session
             .serve(&req)
