@@ -387,7 +387,7 @@ enum Answer {
 }
 
 /// Why a PostgreSQL call failed, as the worker thread reports it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct PgFailure {
     pub code: Option<String>,
     pub message: String,
@@ -1012,31 +1012,32 @@ fn worker(
     };
     while let Ok(job) = rx.recv() {
         // A server restart closes the connection: outside a transaction, open a
-        // new one rather than failing every call from now on. (A function of
-        // statements whose reconnect failed runs on the closed one, and its
-        // first statement fails as a closed connection.)
+        // new one rather than failing every call from now on. A failed
+        // reconnect is the answer to each statement of the job, so that the
+        // caller hears why (the server refused, or is not there), not only
+        // that the connection is closed.
+        let mut down = None;
         if session.client.is_closed() && !session.in_tx {
             match connect(&config) {
                 Ok(c) => {
                     session.client = c;
                     session.statements.clear();
                 }
-                Err(f) => {
-                    if let Job::Call(_, reply) = job {
-                        let _ = reply.send(Err(f));
-                        continue;
-                    }
-                }
+                Err(f) => down = Some(f),
             }
         }
         match job {
             Job::Call(req, reply) => {
-                let _ = reply.send(session.serve(&req));
+                let _ = reply.send(match down {
+                    Some(f) => Err(f),
+                    None => session.serve(&req),
+                });
             }
             Job::Run(f) => f(&mut Direct {
                 session: &mut session,
                 secret: secret.as_deref(),
                 sent: 0,
+                down,
             }),
         }
     }
@@ -1109,10 +1110,16 @@ struct Direct<'a> {
     session: &'a mut Session,
     secret: Option<&'a str>,
     sent: u64,
+    /// Why the connection could not be opened again before this job: each
+    /// statement fails with it, unsent.
+    down: Option<PgFailure>,
 }
 
 impl Serve for Direct<'_> {
     fn serve(&mut self, req: Req) -> Result<Answer> {
+        if let Some(f) = &self.down {
+            return Err(store_error(f.clone(), self.secret));
+        }
         // For the process here, as it is sent: a caller that stopped
         // waiting (a timeout, a cancel) still leaves it counted.
         STATEMENTS.fetch_add(1, Ordering::Relaxed);

@@ -10,7 +10,8 @@ use lbscale_engine::reconcile::KeptLease;
 use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
 use lbscale_engine::store_test;
 use lbscale_engine::store_testing::{
-    backends_named, signal_backends, Kind, StoppedBackends, TestStore,
+    backends_named, postgres_admin_url, signal_backends, with_pg_client, Kind,
+    StoppedBackends, TestStore,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -600,4 +601,54 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
         gap < Duration::from_millis(1000),
         "the runtime's only worker was held {gap:?} by reads waiting for a connection"
     );
+}
+
+// A connection that the server closed (a restart, an administrator) is opened
+// again at the next call; when that fails, the daemon's read says why rather
+// than only that the connection is closed, and once the server takes
+// connections again the read answers.
+#[test]
+fn a_read_after_a_failed_reconnect_says_why() {
+    let Some((ts, app, s)) = postgres_store("reconnect_refused") else {
+        return;
+    };
+    let admin = postgres_admin_url("reconnect_refused").expect("the test server");
+    group(&s, "g1");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(s.group_rows("g1")).unwrap().expect("g1 is there");
+    let db = ts.raw_text("SELECT current_database()").unwrap();
+    let (close, db2) = (
+        format!(
+            "ALTER DATABASE {db} ALLOW_CONNECTIONS false; \
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{app}'"
+        ),
+        db.clone(),
+    );
+    with_pg_client(&admin, move |c| c.batch_execute(&close)).unwrap();
+    // The first read may be the one to find the connection closed; the one
+    // after it tries to open it again.
+    let errors: Vec<String> = (0..3)
+        .map(|_| match rt.block_on(s.group_rows("g1")) {
+            Ok(r) => panic!("read {r:?} from a database that takes no connections"),
+            Err(e) => e.to_string(),
+        })
+        .collect();
+    let reopen = format!("ALTER DATABASE {db2} ALLOW_CONNECTIONS true");
+    with_pg_client(&admin, move |c| c.batch_execute(&reopen)).unwrap();
+    eprintln!("the reads while the database took no connections: {errors:#?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("is not currently accepting connections")),
+        "no read named the reconnect's failure: {errors:#?}"
+    );
+    let rows = rt
+        .block_on(s.group_rows("g1"))
+        .unwrap()
+        .expect("g1 is there");
+    assert_eq!(rows.record.row.id, "g1");
 }
