@@ -779,18 +779,21 @@ impl PgPool {
 
     /// As [`PgPool::get`] (each call with the pool's call deadline), for a
     /// caller on an async runtime: it waits for a free connection without
-    /// holding a thread, in turn with the other callers that wait so, and a
-    /// new connection is opened on a blocking-pool thread. A burst of
-    /// evaluations that finds every connection busy queues here, not in
-    /// threads of their own.
+    /// holding a thread, at most `wait`, and opens a new one (if the pool has
+    /// room) on a blocking-pool thread, within the connect timeout and a call
+    /// deadline as [`PgPool::get`] does. A burst of evaluations that finds
+    /// every connection busy waits here, not in threads of their own. The
+    /// waiters are served about in the order they began to wait (a caller
+    /// keeps its place in the queue of [`tokio::sync::Notify`] until it is
+    /// woken), though one that comes when a connection is idle takes it at once.
     pub async fn get_async(&self, wait: Duration) -> Result<Pooled<'_>> {
         let until = tokio::time::Instant::now() + wait;
+        // Registered before each look, so that a connection given back
+        // between the look and the wait is not missed.
+        let freed = self.freed_async.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
         loop {
-            // Registered before looking, so that a connection given back
-            // between the look and the wait is not missed.
-            let freed = self.freed_async.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
             if let Some(c) = self.idle_now() {
                 return Ok(c);
             }
@@ -799,7 +802,12 @@ impl PgPool {
                 let conn =
                     tokio::task::spawn_blocking(move || PgConn::connect(&target, limits, slot))
                         .await
-                        .map_err(|e| StoreError::Sql(format!("connecting to PostgreSQL: {e}")))??;
+                        .map_err(|e| {
+                            StoreError::Sql(format!(
+                                "opening a connection of the {} pool to {}: {e}",
+                                self.name, self.target.redacted
+                            ))
+                        })??;
                 return Ok(Pooled {
                     pool: self,
                     conn: Some(conn),
@@ -809,9 +817,13 @@ impl PgPool {
             if now >= until {
                 return Err(self.all_busy(wait));
             }
-            // A stalled thread that ends does not signal: look again soon.
+            // A stalled thread that ends does not signal: look again soon,
+            // keeping this caller's place unless it was woken.
             let step = (until - now).min(Duration::from_millis(50));
-            let _ = tokio::time::timeout(step, freed).await;
+            if tokio::time::timeout(step, freed.as_mut()).await.is_ok() {
+                freed.set(self.freed_async.notified());
+                freed.as_mut().enable();
+            }
         }
     }
 
@@ -1129,7 +1141,6 @@ impl Serve for Direct<'_> {
             .map_err(|f| store_error(f, self.secret))
     }
 }
-
 
 /// The URL with its password (in the user info or a `password=` parameter)
 /// replaced by `***`.

@@ -10,8 +10,8 @@ use lbscale_engine::reconcile::KeptLease;
 use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
 use lbscale_engine::store_test;
 use lbscale_engine::store_testing::{
-    backends_named, postgres_admin_url, signal_backends, with_pg_client, Kind,
-    StoppedBackends, TestStore,
+    backends_named, postgres_admin_url, signal_backends, with_pg_client, Kind, StoppedBackends,
+    TestStore,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -459,9 +459,7 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
         });
         let (r, took) = stuck.await.unwrap();
         let (count, gap) = ticks.await.unwrap();
-        eprintln!(
-            "{count} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}"
-        );
+        eprintln!("{count} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}");
         assert!(r.is_err(), "the probe answered on a stopped backend");
         assert!(took >= Duration::from_secs(2), "{took:?}");
         assert!(
@@ -548,7 +546,7 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
 // the runtime's other tasks run all along.
 #[test]
 fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
-    let Some((ts, _app, s)) = postgres_store("busy_pool") else {
+    let Some((ts, app, s)) = postgres_store("busy_pool") else {
         return;
     };
     group(&s, "g1");
@@ -560,7 +558,18 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
             std::thread::spawn(move || group(&s, &format!("w{i}")))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    let waiting = format!(
+        "SELECT count(*)::text FROM pg_stat_activity \
+         WHERE application_name = '{app}' AND wait_event_type = 'Lock'"
+    );
+    let t = Instant::now();
+    while ts.raw_text(&waiting).as_deref() != Some("4") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the four writers were not all waiting for the lock within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .max_blocking_threads(1)
@@ -568,9 +577,8 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
         .build()
         .unwrap();
     let held = Duration::from_millis(2000);
-    let (answers, took, gap) = rt.block_on(async move {
+    let (answers, waited, gap) = rt.block_on(async move {
         let ticks = ticking_for(held + Duration::from_millis(1000));
-        let t = Instant::now();
         let reads: Vec<_> = (0..8)
             .map(|_| {
                 let s = s.clone();
@@ -578,25 +586,25 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
             })
             .collect();
         tokio::time::sleep(held).await;
+        // Every read still waits for a connection: the pool was busy.
+        let waited = reads.iter().filter(|r| !r.is_finished()).count();
         drop(lock);
         let mut answers = Vec::new();
         for r in reads {
             answers.push(r.await.unwrap());
         }
-        let took = t.elapsed();
         let (_, gap) = ticks.await.unwrap();
-        (answers, took, gap)
+        (answers, waited, gap)
     });
     for w in writers {
         w.join().unwrap();
     }
-    eprintln!("8 reads behind a busy pool answered after {took:?}; longest gap between ticks {gap:?}");
+    eprintln!("{waited} of 8 reads waited behind a busy pool; longest gap between ticks {gap:?}");
+    assert_eq!(waited, 8, "reads answered while every connection was busy");
     for a in answers {
         let rows = a.unwrap().expect("g1 is there");
         assert_eq!(rows.record.row.id, "g1");
     }
-    // They did wait for the writers (the pool was busy), and held no worker.
-    assert!(took >= held, "the reads answered after {took:?}");
     assert!(
         gap < Duration::from_millis(1000),
         "the runtime's only worker was held {gap:?} by reads waiting for a connection"
@@ -619,7 +627,9 @@ fn a_read_after_a_failed_reconnect_says_why() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(s.group_rows("g1")).unwrap().expect("g1 is there");
+    rt.block_on(s.group_rows("g1"))
+        .unwrap()
+        .expect("g1 is there");
     let db = ts.raw_text("SELECT current_database()").unwrap();
     let (close, db2) = (
         format!(
