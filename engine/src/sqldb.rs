@@ -745,14 +745,8 @@ impl PgPool {
         let until = Instant::now() + wait;
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            while let Some(mut c) = idle.pop() {
-                if c.idle_since.elapsed() < self.limits.idle_timeout {
-                    c.deadline = deadline;
-                    return Ok(Pooled {
-                        pool: self,
-                        conn: Some(c),
-                    });
-                }
+            if let Some(c) = self.take_idle(&mut idle, deadline) {
+                return Ok(c);
             }
             if let Some(slot) = self.reserve() {
                 drop(idle);
@@ -840,11 +834,17 @@ impl PgPool {
     /// An idle connection, if one is free now (no wait, no new connection),
     /// for [`Pooled::run`]; each of its calls waits at most the pool's
     /// call deadline.
-    pub fn idle_now(&self) -> Option<Pooled<'_>> {
+    fn idle_now(&self) -> Option<Pooled<'_>> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        self.take_idle(&mut idle, self.limits.call_deadline)
+    }
+
+    /// The most recently used of the `idle` connections (those idle longer
+    /// than the idle timeout are dropped), its calls bounded by `deadline`.
+    fn take_idle(&self, idle: &mut Vec<PgConn>, deadline: Duration) -> Option<Pooled<'_>> {
         while let Some(mut c) = idle.pop() {
             if c.idle_since.elapsed() < self.limits.idle_timeout {
-                c.deadline = self.limits.call_deadline;
+                c.deadline = deadline;
                 return Some(Pooled {
                     pool: self,
                     conn: Some(c),

@@ -289,6 +289,18 @@ fn signal(sig: &str, pids: &[i32]) {
     signal_backends(sig, pids)
 }
 
+/// A multi-threaded runtime of `workers` worker threads (and at most
+/// `max_blocking` blocking-pool threads, when given), for the tests that
+/// watch what a store call does to it.
+fn runtime(workers: usize, max_blocking: Option<usize>) -> tokio::runtime::Runtime {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.worker_threads(workers).enable_all();
+    if let Some(n) = max_blocking {
+        b.max_blocking_threads(n);
+    }
+    b.build().unwrap()
+}
+
 /// Ticks every 20 ms on the runtime for `span`; answers how many ticks there
 /// were and the longest gap between two: what a call held the runtime up.
 fn ticking_for(span: Duration) -> tokio::task::JoinHandle<(usize, Duration)> {
@@ -381,11 +393,7 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
     };
     let other = ts.open();
     group(&s, "g1");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(2, None);
     rt.block_on(async move {
         let ttl = Duration::from_secs(3);
         let lease = s.acquire_lease("g1", "first", ttl).unwrap();
@@ -442,11 +450,7 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
         return;
     };
     group(&s, "g1");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(1, None);
     let stall = StoppedBackends::start(&ts.url, &app);
     rt.block_on(async move {
         // Ticks every 20 ms, from before the stalled call until after it.
@@ -488,11 +492,7 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
     )
     .unwrap();
     group(&s, "g1");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(1, None);
     let read = rt
         .block_on(s.group_rows("g1"))
         .unwrap()
@@ -570,12 +570,7 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .max_blocking_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(1, Some(1));
     let held = Duration::from_millis(2000);
     let (answers, waited, gap) = rt.block_on(async move {
         let ticks = ticking_for(held + Duration::from_millis(1000));
@@ -622,11 +617,7 @@ fn a_read_after_a_failed_reconnect_says_why() {
     };
     let admin = postgres_admin_url("reconnect_refused").expect("the test server");
     group(&s, "g1");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(1, None);
     rt.block_on(s.group_rows("g1"))
         .unwrap()
         .expect("g1 is there");
