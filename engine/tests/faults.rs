@@ -20,7 +20,7 @@ use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest,
 };
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -139,17 +139,18 @@ impl Stack {
 
     /// Node ids of the running `lbscale-node` processes of this group.
     fn processes(&self) -> BTreeSet<String> {
+        self.node_pids().into_keys().collect()
+    }
+
+    /// The running `lbscale-node` processes of this group, by node id.
+    fn node_pids(&self) -> BTreeMap<String, u32> {
         // The AZ too: one test's group name may begin another's.
         let marker = format!("{}-az1-", self.group_name);
-        let mut out = BTreeSet::new();
+        let mut out = BTreeMap::new();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            if e.file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-                .is_none()
-            {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
                 continue;
-            }
+            };
             let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
                 continue;
             };
@@ -159,7 +160,7 @@ impl Stack {
                 .collect();
             if let Some(i) = args.iter().position(|a| a == "--node-id") {
                 if let Some(id) = args.get(i + 1).filter(|id| id.starts_with(&marker)) {
-                    out.insert(id.clone());
+                    out.insert(id.clone(), pid);
                 }
             }
         }
@@ -271,12 +272,37 @@ impl Drop for Stack {
         self.faults.clear();
         let rt = tokio::runtime::Handle::current();
         let (engine, group, d) = (&self.engine, self.group.clone(), self.distributor.clone());
-        tokio::task::block_in_place(|| {
+        let deleted = tokio::task::block_in_place(|| {
             rt.block_on(async {
-                let _ = engine.delete_group(&group).await;
+                // What stands on the group first, or its delete waits for it.
+                let store = engine.testing_store();
+                for v in store.vservers_of_group(&group).unwrap_or_default() {
+                    let _ = engine.delete_vserver(&v.id).await;
+                }
+                for se in store.se_groups_of_group(&group).unwrap_or_default() {
+                    let _ = engine.delete_se_group(&se.id).await;
+                }
+                let group = engine.delete_group(&group).await;
                 let _ = engine.delete_distributor(&d).await;
+                group
             })
         });
+        // A test that moved the store under the engine (a lost lease, rows
+        // with no process) can make the delete fail: its nodes must not
+        // outlive the test all the same.
+        let left = self.node_pids();
+        if !left.is_empty() {
+            eprintln!(
+                "{}: delete_group left {left:?} running ({:?}); killing them",
+                self.group_name,
+                deleted.err()
+            );
+            for pid in left.values() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pid.to_string()])
+                    .status();
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
