@@ -526,7 +526,7 @@ async fn resume(
     }
     let (id, name) = (row.id.as_str(), row.spec.name.as_str());
     let why = if rt.resumed {
-        leftover_work(shared, snap).map_err(|e| EvalError::new("read the group's nodes", e))?
+        leftover_work(shared, snap)
     } else {
         Some("first evaluation by this daemon".to_string())
     };
@@ -626,24 +626,20 @@ fn resume_failed(
 /// Work that a holder left half-done, as the store and the processes show it:
 /// a node in a transient or failed state, an active node that is not registered
 /// with the distributor, or one that does not run the configuration it should.
-/// `None` when the group is settled. Read from the evaluation's snapshot; only
-/// the configuration check reads more (the vservers), and only when the nodes
-/// themselves are settled.
-fn leftover_work(shared: &Shared, snap: &GroupSnapshot) -> Result<Option<String>, EngineError> {
+/// `None` when the group is settled. Told from the evaluation's snapshot
+/// alone (no statement).
+fn leftover_work(shared: &Shared, snap: &GroupSnapshot) -> Option<String> {
     if let Some(n) = snap.view.nodes.iter().find(|n| n.state != "active") {
-        return Ok(Some(format!("node {} is {}", n.id, n.state)));
+        return Some(format!("node {} is {}", n.id, n.state));
     }
-    let stale = shared.engine.stale_configurations_in(snap)?;
+    let stale = shared.engine.stale_configurations_in(snap);
     if let Some(id) = stale.first() {
-        return Ok(Some(format!(
-            "node {id} does not run its current configuration"
-        )));
+        return Some(format!("node {id} does not run its current configuration"));
     }
-    Ok(snap
-        .rows
+    snap.rows
         .iter()
         .find(|r| r.state == NodeState::Active && !r.registered)
-        .map(|r| format!("node {} is active but not registered", r.id)))
+        .map(|r| format!("node {} is active but not registered", r.id))
 }
 
 /// What one evaluation saw of the group.
@@ -689,10 +685,7 @@ async fn observe(
     let targets = sample::targets(&snap.view, &snap.rows);
     let window = interval_of(&row.spec);
     let sampled = sample::sample(&mut rt.clients, targets, token, &creds, window).await;
-    let spans = shared
-        .engine
-        .vserver_spans_in(&snap)
-        .map_err(|e| EvalError::new("read the vservers' spans", e))?;
+    let spans = shared.engine.vserver_spans_in(&snap);
     Ok(Seen {
         view: snap.view,
         sampled,

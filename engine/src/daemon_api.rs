@@ -11,8 +11,10 @@
 //! holder exclude each other, so an apply never acts with the daemon on an AZ.
 
 use crate::model::{DistributorSpec, GroupSpec, VserverSpec};
-use crate::reconcile::{EngineError, GroupView, KeptLease, Result, SpanView};
-use crate::store::{daemon_claim_key, GroupRows, Lease, NodeRow, PolicyStateRow, Row, StoreError};
+use crate::reconcile::{spans_of, stale_among, EngineError, GroupView, KeptLease, Result, SpanView};
+use crate::store::{
+    daemon_claim_key, GroupRows, Lease, NlbRows, NodeRow, PolicyStateRow, Row, StoreError,
+};
 use crate::Engine;
 use lbscale_core::policy::{AzState, PolicyConfig};
 use std::time::Duration;
@@ -38,9 +40,9 @@ pub enum Claim {
 
 /// What one evaluation of the daemon reads of a group: the group's row with
 /// its distributor, what the distributor serves, how many groups use it and
-/// who holds the group's lease (one statement), its nodes (one more) and its
-/// vservers (one more per SE group, and one for the SE groups), as
-/// [`Engine::group_snapshot`] read them.
+/// who holds the group's lease (one statement), its nodes (one more), its
+/// vservers (one more) and, behind an `nlb`, its SE groups and spans (two
+/// more), as [`Engine::group_snapshot`] read them.
 pub struct GroupSnapshot {
     pub row: Row<GroupSpec>,
     pub version: i64,
@@ -54,7 +56,8 @@ pub struct GroupSnapshot {
     pub rows: Vec<NodeRow>,
     vservers: Vec<Row<VserverSpec>>,
     config_version: u64,
-    behind_nlb: bool,
+    /// Read only behind an `nlb` distributor.
+    nlb: Option<NlbRows>,
     distributor: Option<DistributorSpec>,
     /// What the distributor serves, as stored.
     served: Option<String>,
@@ -70,16 +73,14 @@ impl Engine {
             record: rec,
             nodes: rows,
             vservers,
+            nlb,
         }) = self.store.group_rows(group_id).await?
         else {
             return Ok(None);
         };
         let view = self.view_of(rec.row.clone(), rows.clone()).await?;
         Ok(Some(GroupSnapshot {
-            behind_nlb: rec
-                .distributor
-                .as_ref()
-                .is_some_and(|d| d.mode == crate::model::DistributorMode::Nlb),
+            nlb,
             applying: rec.lease_holder.filter(|h| *h != self.holder),
             row: rec.row,
             version: rec.version,
@@ -94,13 +95,13 @@ impl Engine {
         }))
     }
 
-    /// [`Engine::stale_configurations`] of the snapshot's group, from the
-    /// nodes and vservers it read (nothing is read here behind `dns`).
-    pub fn stale_configurations_in(&self, s: &GroupSnapshot) -> Result<Vec<String>> {
-        self.stale_among(
+    /// [`Engine::stale_configurations`] of the snapshot's group, from what it
+    /// read (nothing is read here).
+    pub fn stale_configurations_in(&self, s: &GroupSnapshot) -> Vec<String> {
+        stale_among(
             &s.row,
             s.config_version,
-            s.behind_nlb,
+            s.nlb.as_ref(),
             &s.rows,
             s.vservers.clone(),
         )
@@ -124,13 +125,13 @@ impl Engine {
         )
     }
 
-    /// [`Engine::vserver_spans`] of the snapshot's group (nothing is read
-    /// behind `dns`: there is no span to size).
-    pub fn vserver_spans_in(&self, s: &GroupSnapshot) -> Result<Vec<SpanView>> {
-        if !s.behind_nlb {
-            return Ok(Vec::new());
+    /// [`Engine::vserver_spans`] of the snapshot's group, from what it read
+    /// (nothing is read here; empty behind `dns`: there is no span to size).
+    pub fn vserver_spans_in(&self, s: &GroupSnapshot) -> Vec<SpanView> {
+        match &s.nlb {
+            Some(nlb) => spans_of(&s.row, &s.rows, &s.vservers, nlb),
+            None => Vec::new(),
         }
-        self.spans_behind_nlb(&s.row, &s.rows)
     }
 
     /// Takes or renews `daemon`'s claim on the group for `ttl` (the lease

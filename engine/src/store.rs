@@ -22,6 +22,7 @@ use crate::sqldb::{
 use lbscale_core::policy::AzState;
 use rusqlite::Connection;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
@@ -433,6 +434,18 @@ pub struct GroupRows {
     pub record: GroupRecord,
     pub nodes: Vec<NodeRow>,
     pub vservers: Vec<Row<VserverSpec>>,
+    /// Read only behind an `nlb` distributor (None behind `dns`).
+    pub nlb: Option<NlbRows>,
+}
+
+/// What placing a group's vservers over its nodes behind an `nlb` reads
+/// besides the nodes and vservers ([`Store::nlb_rows`]).
+#[derive(Debug, Clone, Default)]
+pub struct NlbRows {
+    pub se_groups: Vec<Row<SeGroupSpec>>,
+    /// How many nodes hold each vserver in each AZ, by (vserver id, AZ), as
+    /// last sized (absent: never).
+    pub spans: BTreeMap<(String, String), u32>,
 }
 
 /// A group as one evaluation of the daemon reads it ([`Store::group_record`]).
@@ -1194,8 +1207,9 @@ impl Store {
         self.with(|c| group_record_in(c, id))
     }
 
-    /// The group's record, its nodes and its vservers, as one evaluation of
-    /// the daemon reads them: three statements, handed to the store's
+    /// The group's record, its nodes and its vservers (and behind an `nlb`
+    /// its [`NlbRows`]), as one evaluation of the daemon reads them: three
+    /// statements (five behind an `nlb`), handed to the store's
     /// connection together without blocking the caller ([`Store::with_async`]).
     /// `None` when the group is gone.
     pub async fn group_rows(&self, id: &str) -> Result<Option<GroupRows>> {
@@ -1204,10 +1218,15 @@ impl Store {
             let Some(record) = group_record_in(c, &id)? else {
                 return Ok(None);
             };
+            let behind_nlb = record
+                .distributor
+                .as_ref()
+                .is_some_and(|d| d.mode == crate::model::DistributorMode::Nlb);
             Ok(Some(GroupRows {
                 record,
                 nodes: nodes_of_group_in(c, &id)?,
                 vservers: vservers_of_group_in(c, &id)?,
+                nlb: behind_nlb.then(|| nlb_rows_in(c, &id)).transpose()?,
             }))
         })
         .await
@@ -1487,7 +1506,12 @@ impl Store {
             .map(|r| r.int(0))
             .transpose()
         })
-        .map(|v| v.map(|s| s.clamp(1, i64::from(u32::MAX)) as u32))
+        .map(|v| v.map(stored_span))
+    }
+    /// The group's SE groups and its vservers' spans, for placing them
+    /// behind an `nlb`.
+    pub fn nlb_rows(&self, group_id: &str) -> Result<NlbRows> {
+        self.with(|c| nlb_rows_in(c, group_id))
     }
     /// Records the span; nothing for a vserver that is gone (deleted since the
     /// caller looked), so that no row outlives it. With `claim` (the daemon's
@@ -2205,6 +2229,33 @@ fn vservers_of_group_in(c: &mut dyn Db, group_id: &str) -> Result<Vec<Row<Vserve
         vals![group_id],
     )?;
     Store::rows_of("vserver", rows)
+}
+
+/// A stored span as a node count (a row can never make it 0 or negative).
+fn stored_span(span: i64) -> u32 {
+    span.clamp(1, i64::from(u32::MAX)) as u32
+}
+
+fn nlb_rows_in(c: &mut dyn Db, group_id: &str) -> Result<NlbRows> {
+    let se_groups = c.query(
+        "SELECT id, spec FROM se_groups WHERE group_id = ?1 ORDER BY created_at, id",
+        vals![group_id],
+    )?;
+    let spans = c.query(
+        "SELECT p.vserver_id, p.az, p.span FROM vserver_spans p
+         JOIN vservers v ON v.id = p.vserver_id JOIN se_groups s ON s.id = v.se_group_id
+         WHERE s.group_id = ?1",
+        vals![group_id],
+    )?;
+    Ok(NlbRows {
+        se_groups: Store::rows_of("SE group", se_groups)?,
+        spans: spans
+            .iter()
+            .map(|r| {
+                Ok(((r.text(0)?, r.text(1)?), stored_span(r.int(2)?)))
+            })
+            .collect::<Result<_>>()?,
+    })
 }
 
 /// Runs a blocking store call where it does not hold up the async tasks of

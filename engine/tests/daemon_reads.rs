@@ -5,7 +5,8 @@
 
 use lbscale_engine::cloud::Clouds;
 use lbscale_engine::model::{
-    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec,
+    CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, SeGroupSpec,
+    ServiceSpec, VserverSpec,
 };
 use lbscale_engine::store::{NodeRow, NodeState, Store};
 use lbscale_engine::{store_test, Engine};
@@ -86,7 +87,7 @@ store_test!(
             let snap = snap.expect("the group is there");
             assert_eq!(snap.rows.len(), n);
             assert!(!snap.deleting && snap.applying.is_none());
-            let (stale, checked) = counted(|| engine.stale_configurations_in(&snap).unwrap());
+            let (stale, checked) = counted(|| engine.stale_configurations_in(&snap));
             // Every node's fingerprint is a made-up one: all stale, all found.
             assert_eq!(stale.len(), n, "{stale:?}");
             // The check on its own (the CLI's, a resume's) reads the group,
@@ -96,7 +97,7 @@ store_test!(
             let (alone, cost) = counted(|| engine.stale_configurations("g1").unwrap());
             assert_eq!(alone, stale);
             assert_eq!(cost, 5, "{n} nodes");
-            let (spans, spanned) = counted(|| engine.vserver_spans_in(&snap).unwrap());
+            let (spans, spanned) = counted(|| engine.vserver_spans_in(&snap));
             assert!(spans.is_empty(), "behind dns: no span");
             // The distributor has served nothing yet: not settled, told from
             // the snapshot.
@@ -136,5 +137,91 @@ store_test!(
         store.insert_group("g3", &behind_nlb, "secret").unwrap();
         let snap = rt.block_on(engine.group_snapshot("g3")).unwrap().unwrap();
         assert_eq!(engine.publication_settled_in(&snap).unwrap(), None);
+
+        // Behind an nlb the snapshot reads the SE groups and the vservers'
+        // spans too: two statements more, whatever the number of vservers
+        // and AZs. Sizing the spans and checking the configurations then
+        // read nothing (they read a span per vserver and AZ before).
+        store
+            .insert_se_group(
+                "se-3",
+                &SeGroupSpec {
+                    name: "reads-se".into(),
+                    autoscale_group_id: "g3".into(),
+                    scaling_mode: "native".into(),
+                    min_scaleout_per_vs: 1,
+                    max_scaleout_per_vs: 3,
+                    vs_scalein_timeout: DeclaredDuration::parse("30s").unwrap(),
+                    se_tunnel_mode: 0,
+                    primary_forwarding_cost: 0.0,
+                },
+            )
+            .unwrap();
+        for (i, name) in ["reads-vs-a", "reads-vs-b"].into_iter().enumerate() {
+            store
+                .insert_vserver(&format!("vs-{i}"), &vserver(name, "se-3", 18800 + i as i64))
+                .unwrap();
+        }
+        store.set_vserver_span("vs-0", "az1", 2, None).unwrap();
+        for i in 0..6 {
+            store
+                .insert_node(&NodeRow {
+                    id: format!("reads3-n{i}"),
+                    group_id: "g3".into(),
+                    private_ip: format!("127.93.3.{}", i + 1),
+                    ..node(i)
+                })
+                .unwrap();
+        }
+        let (snap, read) = counted(|| rt.block_on(engine.group_snapshot("g3")).unwrap());
+        let snap = snap.expect("the group is there");
+        assert_eq!(read, 5);
+        let (spans, spanned) = counted(|| engine.vserver_spans_in(&snap));
+        assert_eq!(spanned, 0);
+        let span_of = |vserver: &str, az: &str| {
+            let s = spans
+                .iter()
+                .find(|s| s.vserver == vserver && s.az == az)
+                .unwrap_or_else(|| panic!("no span of {vserver} in {az}: {spans:?}"));
+            (s.span, s.holders.len())
+        };
+        assert_eq!(spans.len(), 2 * 3, "two vservers in three AZs: {spans:?}");
+        // As sized where a span is stored, else min_scaleout_per_vs.
+        assert_eq!(span_of("reads-vs-a", "az1"), (2, 2));
+        assert_eq!(span_of("reads-vs-a", "az2"), (1, 1));
+        assert_eq!(span_of("reads-vs-b", "az1"), (1, 1));
+        // The same as the engine's own read of them.
+        assert_eq!(
+            format!("{spans:?}"),
+            format!("{:?}", engine.vserver_spans("g3").unwrap())
+        );
+        let (stale, checked) = counted(|| engine.stale_configurations_in(&snap));
+        assert_eq!(checked, 0);
+        assert_eq!(stale.len(), 6, "{stale:?}");
+        // On its own: the 5 statements above and the SE groups and spans.
+        let (alone, cost) = counted(|| engine.stale_configurations("g3").unwrap());
+        assert_eq!(alone, stale);
+        assert_eq!(cost, 7);
     }
 );
+
+fn vserver(name: &str, se_group: &str, port: i64) -> VserverSpec {
+    VserverSpec {
+        name: name.into(),
+        se_group_id: se_group.into(),
+        service_type: "TCP".into(),
+        port,
+        lb_method: "ROUNDROBIN".into(),
+        persistence: "NONE".into(),
+        services: vec![ServiceSpec {
+            name: format!("{name}-s1"),
+            address: "127.0.0.1".into(),
+            port: 9,
+            weight: 1,
+            enabled: true,
+        }],
+        slow_start: None,
+        max_connections: 0,
+        udp_health_request: String::new(),
+    }
+}

@@ -204,12 +204,14 @@ impl Engine {
         registered: &[&NodeRow],
         vservers: Vec<Row<VserverSpec>>,
     ) -> Result<()> {
+        let nlb = self.store.nlb_rows(&g.id)?;
+        let placements = super::spans::placements_of(g, registered, &vservers, &nlb);
         let ports_of: BTreeMap<String, u16> = vservers
             .into_iter()
             .filter(|v| v.spec.service_type != "UDP")
             .map(|v| (v.spec.name, v.spec.port as u16))
             .collect();
-        for ((vserver, az), placed) in self.placements_behind_nlb(g, registered)? {
+        for ((vserver, az), placed) in placements {
             let Some(port) = ports_of.get(&vserver) else {
                 continue;
             };

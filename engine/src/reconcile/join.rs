@@ -9,7 +9,7 @@ use crate::fault::fault_point;
 use crate::model::{GroupSpec, VserverSpec};
 use crate::nodeapi::NodeClient;
 use crate::placement;
-use crate::store::{NodeRow, NodeState, Row};
+use crate::store::{NlbRows, NodeRow, NodeState, Row};
 use std::time::{Duration, Instant};
 
 impl Engine {
@@ -286,40 +286,14 @@ impl Engine {
             return Ok(Vec::new());
         };
         let version = self.store.config_version(group_id)?;
-        let nlb = self.behind_nlb(&group.spec)?;
+        let nlb = if self.behind_nlb(&group.spec)? {
+            Some(self.store.nlb_rows(group_id)?)
+        } else {
+            None
+        };
         let nodes = self.store.nodes_of_group(group_id)?;
         let vservers = self.store.vservers_of_group(group_id)?;
-        self.stale_among(&group, version, nlb, &nodes, vservers)
-    }
-
-    /// [`Engine::stale_configurations`] of `group` whose configuration version
-    /// is `version`, stored nodes `nodes` and vservers `vservers`, behind an
-    /// `nlb` or not (what the caller read already): reads nothing more, but
-    /// behind an `nlb` the placements, once for all the nodes.
-    pub(crate) fn stale_among(
-        &self,
-        group: &Row<GroupSpec>,
-        version: u64,
-        nlb: bool,
-        nodes: &[NodeRow],
-        vservers: Vec<Row<VserverSpec>>,
-    ) -> Result<Vec<String>> {
-        let base = node_config_of(vservers, version);
-        let staying: Vec<&NodeRow> = nodes.iter().filter(|m| m.state.is_member()).collect();
-        let placements = if nlb {
-            self.placements_behind_nlb(group, &staying)?
-        } else {
-            Default::default()
-        };
-        Ok(nodes
-            .iter()
-            .filter(|n| n.state == NodeState::Active)
-            .filter(|n| {
-                let want = config_fingerprint(&placed_config(&base, n, &staying, &placements));
-                n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str())
-            })
-            .map(|n| n.id.clone())
-            .collect())
+        Ok(stale_among(&group, version, nlb.as_ref(), &nodes, vservers))
     }
 
     /// Restarts every node of the group, one at a time and surge first: a new
@@ -538,4 +512,30 @@ fn node_config_of(vservers: Vec<Row<VserverSpec>>, version: u64) -> lbscale_prot
         group_peers: Vec::new(),
         fence: 0,
     }
+}
+
+/// [`Engine::stale_configurations`] of `group` whose configuration version
+/// is `version`, stored nodes `nodes` and vservers `vservers`, and behind an
+/// `nlb` its [`NlbRows`] (what the caller read already): reads nothing.
+pub(crate) fn stale_among(
+    group: &Row<GroupSpec>,
+    version: u64,
+    nlb: Option<&NlbRows>,
+    nodes: &[NodeRow],
+    vservers: Vec<Row<VserverSpec>>,
+) -> Vec<String> {
+    let staying: Vec<&NodeRow> = nodes.iter().filter(|m| m.state.is_member()).collect();
+    let placements = nlb
+        .map(|nlb| super::spans::placements_of(group, &staying, &vservers, nlb))
+        .unwrap_or_default();
+    let base = node_config_of(vservers, version);
+    nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Active)
+        .filter(|n| {
+            let want = config_fingerprint(&placed_config(&base, n, &staying, &placements));
+            n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str())
+        })
+        .map(|n| n.id.clone())
+        .collect()
 }

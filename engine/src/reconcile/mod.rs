@@ -35,6 +35,8 @@ pub use distributors::DistributorView;
 pub use groups::{GroupView, NodeView};
 pub use leases::{KeptLease, WORKFLOW_LEASE_TTL};
 pub use spans::SpanView;
+pub(crate) use join::stale_among;
+pub(crate) use spans::spans_of;
 
 use crate::cloud::{Cloud, CloudError, Clouds, DriverStore, Registry};
 use crate::model::{CloudName, Finding, Findings};

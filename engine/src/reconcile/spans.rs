@@ -2,9 +2,9 @@
 //! `nlb` (primary and secondaries), and how many nodes hold it.
 
 use super::{Engine, Result};
-use crate::model::{DistributorMode, GroupSpec, SeGroupSpec};
+use crate::model::{DistributorMode, GroupSpec, SeGroupSpec, VserverSpec};
 use crate::placement;
-use crate::store::{NodeRow, Row};
+use crate::store::{NlbRows, NodeRow, Row};
 use lbscale_core::seplan::ScalingMode;
 use std::collections::BTreeMap;
 
@@ -44,34 +44,9 @@ impl Engine {
         group: &Row<GroupSpec>,
         nodes: &[&NodeRow],
     ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
-        let mut out = BTreeMap::new();
-        let se_groups: BTreeMap<String, SeGroupSpec> = self
-            .store
-            .se_groups_of_group(&group.id)?
-            .into_iter()
-            .map(|r| (r.id, r.spec))
-            .collect();
-        for v in self.store.vservers_of_group(&group.id)? {
-            let Some(se) = se_groups.get(&v.spec.se_group_id) else {
-                continue;
-            };
-            for az in &group.spec.availability_zones {
-                let settings = placement::SeSettings {
-                    mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
-                    span: self.span_of(&v.id, az, se)?,
-                    forwarding_cost: se.primary_forwarding_cost,
-                    scalein_timeout_ms: se.vs_scalein_timeout.get().as_millis() as u64,
-                };
-                let mut in_az: Vec<&&NodeRow> = nodes.iter().filter(|n| &n.az == az).collect();
-                in_az.sort_by_key(|n| n.seq);
-                let addresses: Vec<String> = in_az.iter().map(|n| n.private_ip.clone()).collect();
-                out.insert(
-                    (v.spec.name.clone(), az.clone()),
-                    placement::place(&settings, &addresses),
-                );
-            }
-        }
-        Ok(out)
+        let vservers = self.store.vservers_of_group(&group.id)?;
+        let nlb = self.store.nlb_rows(&group.id)?;
+        Ok(placements_of(group, nodes, &vservers, &nlb))
     }
 
     /// Whether the group's distributor is an `nlb`: only behind one does a
@@ -81,17 +56,6 @@ impl Engine {
             .store
             .distributor(&group.traffic_distributor_id)?
             .is_some_and(|d| d.spec.mode == DistributorMode::Nlb))
-    }
-
-    /// How many nodes of `az` hold the vserver: as the daemon sized it, else
-    /// `min_scaleout_per_vs`; within the SE group's bounds.
-    fn span_of(&self, vserver_id: &str, az: &str, se: &SeGroupSpec) -> Result<u32> {
-        let (min, max) = span_bounds(se);
-        Ok(self
-            .store
-            .vserver_span(vserver_id, az)?
-            .unwrap_or(min)
-            .clamp(min, max))
     }
 
     /// Every vserver of the group in every AZ behind an `nlb` distributor, with
@@ -105,54 +69,9 @@ impl Engine {
             return Ok(Vec::new());
         }
         let nodes = self.store.nodes_of_group(group_id)?;
-        self.spans_behind_nlb(&group, &nodes)
-    }
-
-    /// [`Engine::vserver_spans`] of a group behind an `nlb` whose stored nodes
-    /// are `nodes`.
-    pub(crate) fn spans_behind_nlb(
-        &self,
-        group: &Row<GroupSpec>,
-        nodes: &[NodeRow],
-    ) -> Result<Vec<SpanView>> {
-        let group_id = group.id.as_str();
-        let mut out = Vec::new();
-        let mut members: Vec<NodeRow> = nodes
-            .iter()
-            .filter(|n| n.state.is_member())
-            .cloned()
-            .collect();
-        members.sort_by_key(|n| n.seq);
-        for se in self.store.se_groups_of_group(group_id)? {
-            let (min, max) = span_bounds(&se.spec);
-            let plan = lbscale_core::seplan::PlanParams {
-                mode: ScalingMode::parse(&se.spec.scaling_mode).unwrap_or(ScalingMode::Native),
-                forwarding_cost: se.spec.primary_forwarding_cost,
-                ..Default::default()
-            };
-            for v in self.store.vservers_of_se_group(&se.id)? {
-                for az in &group.spec.availability_zones {
-                    let span = self.span_of(&v.id, az, &se.spec)?;
-                    let holders = members
-                        .iter()
-                        .filter(|n| &n.az == az)
-                        .take(span as usize)
-                        .map(|n| n.id.clone())
-                        .collect();
-                    out.push(SpanView {
-                        vserver_id: v.id.clone(),
-                        vserver: v.spec.name.clone(),
-                        az: az.clone(),
-                        holders,
-                        span,
-                        min,
-                        max,
-                        plan,
-                    });
-                }
-            }
-        }
-        Ok(out)
+        let vservers = self.store.vservers_of_group(group_id)?;
+        let nlb = self.store.nlb_rows(group_id)?;
+        Ok(spans_of(&group, &nodes, &vservers, &nlb))
     }
 
     /// Sets how many nodes of `az` hold the vserver, records why, and pushes the
@@ -180,4 +99,98 @@ fn span_bounds(se: &SeGroupSpec) -> (u32, u32) {
     let min = se.min_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32;
     let max = (se.max_scaleout_per_vs.clamp(1, i64::from(u32::MAX)) as u32).max(min);
     (min, max)
+}
+
+/// The vservers' placements in the group's AZs over `nodes` (oldest first),
+/// keyed by (vserver, AZ), from what the store holds of them (`vservers`,
+/// `nlb`): reads nothing.
+pub(crate) fn placements_of(
+    group: &Row<GroupSpec>,
+    nodes: &[&NodeRow],
+    vservers: &[Row<VserverSpec>],
+    nlb: &NlbRows,
+) -> BTreeMap<(String, String), placement::AzPlacement> {
+    let mut out = BTreeMap::new();
+    for (v, se) in with_se_groups(vservers, nlb) {
+        for az in &group.spec.availability_zones {
+            let settings = placement::SeSettings {
+                mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
+                span: span_in(nlb, &v.id, az, se),
+                forwarding_cost: se.primary_forwarding_cost,
+                scalein_timeout_ms: se.vs_scalein_timeout.get().as_millis() as u64,
+            };
+            let mut in_az: Vec<&&NodeRow> = nodes.iter().filter(|n| &n.az == az).collect();
+            in_az.sort_by_key(|n| n.seq);
+            let addresses: Vec<String> = in_az.iter().map(|n| n.private_ip.clone()).collect();
+            out.insert(
+                (v.spec.name.clone(), az.clone()),
+                placement::place(&settings, &addresses),
+            );
+        }
+    }
+    out
+}
+
+/// Every vserver of the group in every AZ with the nodes that hold it, from
+/// what the store holds (`nodes`, `vservers`, `nlb`): reads nothing.
+pub(crate) fn spans_of(
+    group: &Row<GroupSpec>,
+    nodes: &[NodeRow],
+    vservers: &[Row<VserverSpec>],
+    nlb: &NlbRows,
+) -> Vec<SpanView> {
+    let mut members: Vec<&NodeRow> = nodes.iter().filter(|n| n.state.is_member()).collect();
+    members.sort_by_key(|n| n.seq);
+    let mut out = Vec::new();
+    for (v, se) in with_se_groups(vservers, nlb) {
+        let (min, max) = span_bounds(se);
+        let plan = lbscale_core::seplan::PlanParams {
+            mode: ScalingMode::parse(&se.scaling_mode).unwrap_or(ScalingMode::Native),
+            forwarding_cost: se.primary_forwarding_cost,
+            ..Default::default()
+        };
+        for az in &group.spec.availability_zones {
+            let span = span_in(nlb, &v.id, az, se);
+            let holders = members
+                .iter()
+                .filter(|n| &n.az == az)
+                .take(span as usize)
+                .map(|n| n.id.clone())
+                .collect();
+            out.push(SpanView {
+                vserver_id: v.id.clone(),
+                vserver: v.spec.name.clone(),
+                az: az.clone(),
+                holders,
+                span,
+                min,
+                max,
+                plan,
+            });
+        }
+    }
+    out
+}
+
+/// Each vserver with its SE group (one whose SE group is gone has none to
+/// place it by, and is left out).
+fn with_se_groups<'a>(
+    vservers: &'a [Row<VserverSpec>],
+    nlb: &'a NlbRows,
+) -> impl Iterator<Item = (&'a Row<VserverSpec>, &'a SeGroupSpec)> {
+    vservers.iter().filter_map(|v| {
+        let se = nlb.se_groups.iter().find(|s| s.id == v.spec.se_group_id)?;
+        Some((v, &se.spec))
+    })
+}
+
+/// How many nodes of `az` hold the vserver: as the daemon sized it, else
+/// `min_scaleout_per_vs`; within the SE group's bounds.
+fn span_in(nlb: &NlbRows, vserver_id: &str, az: &str, se: &SeGroupSpec) -> u32 {
+    let (min, max) = span_bounds(se);
+    nlb.spans
+        .get(&(vserver_id.to_string(), az.to_string()))
+        .copied()
+        .unwrap_or(min)
+        .clamp(min, max)
 }
