@@ -113,19 +113,19 @@ impl AzRuntime {
     ) -> Result<Option<WorkflowKind>, EvalError> {
         if self.workflow_ended() {
             self.take_in_workflow(cx, seen).await;
-            self.persist(cx)?;
+            self.persist(cx).await?;
         }
         if self.workflow.is_some() {
             return Ok(None);
         }
-        self.step(cx, seen, now)
+        self.step(cx, seen, now).await
     }
 
     /// The policy step on a fresh sample; persisted before any workflow runs,
     /// so that a daemon killed in the middle of one leaves the workflow's phase
     /// behind (see `restore_az_state`). Refused once the claim is lost: then
     /// this daemon must not act on the group either.
-    fn step(
+    async fn step(
         &mut self,
         cx: &AzCtx<'_>,
         seen: &AzSeen,
@@ -141,7 +141,7 @@ impl AzRuntime {
         let before = self.state;
         let (next, out) = policy::step(cx.cfg, &self.state, &obs, now as u64);
         self.state = next;
-        if let Err(e) = self.persist(cx) {
+        if let Err(e) = self.persist(cx).await {
             // As if this step had not run: the next evaluation takes it again.
             self.state = before;
             return Err(e);
@@ -303,7 +303,7 @@ impl AzRuntime {
     /// Writes the AZ's policy state under the daemon's claim on the group, if
     /// it changed since the last write in a way that a resume would see
     /// (see [`same_on_resume`]).
-    fn persist(&mut self, cx: &AzCtx<'_>) -> Result<(), EvalError> {
+    async fn persist(&mut self, cx: &AzCtx<'_>) -> Result<(), EvalError> {
         if self
             .persisted
             .is_some_and(|p| same_on_resume(&p, &self.state))
@@ -313,6 +313,7 @@ impl AzRuntime {
         cx.shared
             .engine
             .put_policy_state(cx.claim, cx.group_id, cx.az, &self.state)
+            .await
             .map_err(|e| EvalError::new("persist the policy state", e))?;
         self.persisted = Some(self.state);
         Ok(())

@@ -11,7 +11,9 @@
 //! holder exclude each other, so an apply never acts with the daemon on an AZ.
 
 use crate::model::{DistributorSpec, GroupSpec, VserverSpec};
-use crate::reconcile::{spans_of, stale_among, EngineError, GroupView, KeptLease, Result, SpanView};
+use crate::reconcile::{
+    spans_of, stale_among, EngineError, GroupView, KeptLease, Result, SpanView,
+};
 use crate::store::{
     daemon_claim_key, GroupRows, Lease, NlbRows, NodeRow, PolicyStateRow, Row, StoreError,
 };
@@ -259,14 +261,17 @@ impl Engine {
     }
 
     /// Persists one AZ's policy state, fenced by the daemon's claim.
-    pub fn put_policy_state(
+    pub async fn put_policy_state(
         &self,
         claim: &Lease,
         group_id: &str,
         az: &str,
         state: &AzState,
     ) -> Result<()> {
-        Ok(self.store.put_policy_state(claim, group_id, az, state)?)
+        Ok(self
+            .store
+            .put_policy_state(claim, group_id, az, state)
+            .await?)
     }
 
     /// Records an event of the group (of one AZ with `az`).

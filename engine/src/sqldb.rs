@@ -914,10 +914,6 @@ impl Pooled<'_> {
     ) -> Result<T> {
         self.conn().run(f).await
     }
-    /// Whether a call of this connection timed out (it is not given back).
-    pub fn stalled(&self) -> bool {
-        self.conn.as_ref().is_none_or(|c| c.stalled)
-    }
 }
 
 impl Drop for Pooled<'_> {

@@ -805,32 +805,27 @@ impl Store {
             Backend::Postgres { pool, .. } => {
                 let l = pool.limits();
                 let mut conn = pool.get(l.call_deadline, l.call_deadline)?;
-                // A stalled connection is dropped, not rolled back: its server
-                // ends the transaction (idle_in_transaction_session_timeout, or
-                // the socket closing when the stalled call returns).
-                let rollback = |conn: &mut crate::sqldb::Pooled<'_>| {
-                    if !conn.stalled() {
-                        let _ = conn.batch("ROLLBACK");
-                    }
-                };
-                conn.batch(&format!(
-                    "BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})"
-                ))
-                .inspect_err(|_| rollback(&mut conn))?;
-                match f(&mut conn) {
-                    Ok(out) => match conn.batch("COMMIT") {
-                        Ok(()) => Ok(out),
-                        Err(e) => {
-                            rollback(&mut conn);
-                            Err(e)
-                        }
-                    },
-                    Err(e) => {
-                        rollback(&mut conn);
-                        Err(e)
-                    }
-                }
+                pg_transaction(&mut conn, f)
             }
+        }
+    }
+
+    /// As [`Store::tx`], for a caller on an async runtime (as
+    /// [`Store::with_async`]): on PostgreSQL the whole transaction runs on
+    /// the connection's thread, within one call deadline. A caller that gives
+    /// up at the deadline hears an error while the thread ends the
+    /// transaction, which may still commit (what a write fenced by a lease
+    /// can take: it lands only if the lease still held).
+    async fn tx_async<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        match &self.backend {
+            Backend::Postgres { pool, .. } => {
+                let mut conn = pool.get_async(pool.limits().call_deadline).await?;
+                conn.run(move |db| pg_transaction(db, f)).await
+            }
+            Backend::Sqlite(_) => self.tx(f),
         }
     }
 
@@ -1343,7 +1338,10 @@ impl Store {
     /// must not overwrite what its successor decided. The checks and the write are
     /// one transaction. A group that is gone gets nothing written (its deletion
     /// removed its rows; a late writer must not bring one back).
-    pub fn put_policy_state(
+    /// On PostgreSQL it waits on the runtime, holding no thread of it
+    /// ([`Store::tx_async`]): the daemon writes it at each evaluation of a
+    /// breach streak.
+    pub async fn put_policy_state(
         &self,
         claim: &Lease,
         group_id: &str,
@@ -1357,13 +1355,15 @@ impl Store {
         );
         let json = serde_json::to_string(state).expect("policy state serialises");
         let now = self.now();
-        let lost = |detail: String| {
+        let (claim, group_id, az) = (claim.clone(), group_id.to_string(), az.to_string());
+        let key = claim.group_id.clone();
+        let lost = move |detail: String| {
             Err(StoreError::LeaseLost {
-                group: claim.group_id.clone(),
+                group: key.clone(),
                 detail,
             })
         };
-        self.tx(|tx| {
+        self.tx_async(move |tx| {
             // Fenced in the statement: written only where the claim is this
             // holder's with this fence, unexpired by the database's clock, the
             // group still there, and no newer claim wrote the row.
@@ -1378,7 +1378,7 @@ impl Store {
                        holder = excluded.holder, fence = excluded.fence, updated_at = excluded.updated_at
                      WHERE policy_state.fence <= excluded.fence"
                 ),
-                vals![group_id, az, json, &claim.holder, claim.fence, now, &claim.group_id],
+                vals![&group_id, &az, json, &claim.holder, claim.fence, now, &claim.group_id],
             )?;
             if written == 1 {
                 return Ok(());
@@ -1396,13 +1396,13 @@ impl Store {
             }
             // A group that is gone under a live claim is no error: its deletion
             // removed its rows, and a late writer must not bring one back.
-            if tx.int("SELECT count(*) FROM groups WHERE id = ?1", vals![group_id])? == 0 {
+            if tx.int("SELECT count(*) FROM groups WHERE id = ?1", vals![&group_id])? == 0 {
                 return Ok(());
             }
             let stored = tx
                 .one(
                     "SELECT fence FROM policy_state WHERE group_id = ?1 AND az = ?2",
-                    vals![group_id, az],
+                    vals![&group_id, &az],
                 )?
                 .map(|r| r.int(0))
                 .transpose()?;
@@ -1417,6 +1417,7 @@ impl Store {
                 ),
             })
         })
+        .await
     }
 
     /// The group's persisted policy state, one row per AZ (by AZ name).
@@ -2231,6 +2232,23 @@ fn vservers_of_group_in(c: &mut dyn Db, group_id: &str) -> Result<Vec<Row<Vserve
     Store::rows_of("vserver", rows)
 }
 
+/// `f` in a write transaction of PostgreSQL connection `db`, under the
+/// store's write lock: committed if it returns Ok, rolled back otherwise. A
+/// connection that stalled is dropped, not rolled back (its ROLLBACK fails at
+/// once): its server ends the transaction (idle_in_transaction_session_timeout,
+/// or the socket closing when the stalled call returns).
+fn pg_transaction<T>(db: &mut dyn Db, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
+    let rollback = |db: &mut dyn Db| {
+        let _ = db.batch("ROLLBACK");
+    };
+    db.batch(&format!(
+        "BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})"
+    ))
+    .inspect_err(|_| rollback(db))?;
+    let out = f(db).and_then(|out| db.batch("COMMIT").map(|()| out));
+    out.inspect_err(|_| rollback(db))
+}
+
 /// A stored span as a node count (a row can never make it 0 or negative).
 fn stored_span(span: i64) -> u32 {
     span.clamp(1, i64::from(u32::MAX)) as u32
@@ -2251,9 +2269,7 @@ fn nlb_rows_in(c: &mut dyn Db, group_id: &str) -> Result<NlbRows> {
         se_groups: Store::rows_of("SE group", se_groups)?,
         spans: spans
             .iter()
-            .map(|r| {
-                Ok(((r.text(0)?, r.text(1)?), stored_span(r.int(2)?)))
-            })
+            .map(|r| Ok(((r.text(0)?, r.text(1)?), stored_span(r.int(2)?))))
             .collect::<Result<_>>()?,
     })
 }

@@ -36,6 +36,16 @@ pub struct TestStore {
     database: Option<String>,
 }
 
+/// Runs `f` to its end on a runtime of its own: store tests run on plain
+/// threads, and the store calls that the daemon makes are async.
+pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a test runtime")
+        .block_on(f)
+}
+
 /// The PostgreSQL server the tests use, if configured. Panics when it is not
 /// and `CI=true`; prints a note and answers `None` otherwise.
 pub fn postgres_admin_url(test: &str) -> Option<String> {

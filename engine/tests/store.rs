@@ -11,6 +11,7 @@ use lbscale_engine::store::{
     az_lease_key, daemon_claim_key, Store, StoreError, RENEW_BATCH, SCHEMA_VERSION,
 };
 use lbscale_engine::store_test;
+use lbscale_engine::store_testing::block_on;
 use std::time::Duration;
 
 fn group(s: &Store, id: &str) {
@@ -46,12 +47,10 @@ store_test!(
         let claim = s
             .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(30))
             .unwrap();
-        s.put_policy_state(&claim, "g1", "az1", &cooling(1_000))
-            .unwrap();
+        block_on(s.put_policy_state(&claim, "g1", "az1", &cooling(1_000))).unwrap();
         let mut evaluating = AzState::new(1);
         evaluating.out_streak = [1, 0, 0];
-        s.put_policy_state(&claim, "g1", "az2", &evaluating)
-            .unwrap();
+        block_on(s.put_policy_state(&claim, "g1", "az2", &evaluating)).unwrap();
         let rows = s.policy_states("g1").unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(
@@ -65,8 +64,7 @@ store_test!(
         );
 
         // Overwritten in place.
-        s.put_policy_state(&claim, "g1", "az1", &cooling(2_000))
-            .unwrap();
+        block_on(s.put_policy_state(&claim, "g1", "az1", &cooling(2_000))).unwrap();
         let rows = s.policy_states("g1").unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].state, cooling(2_000));
@@ -86,19 +84,16 @@ store_test!(a_writer_whose_claim_was_taken_over_is_refused, |ts| {
     // daemon-a's claim expired: a write under it is refused even before anyone
     // else takes the group.
     assert!(matches!(
-        s.put_policy_state(&old, "g1", "az1", &cooling(1)),
+        block_on(s.put_policy_state(&old, "g1", "az1", &cooling(1))),
         Err(StoreError::LeaseLost { .. })
     ));
     let new = s
         .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
         .unwrap();
     assert!(new.fence > old.fence);
-    s.put_policy_state(&new, "g1", "az1", &cooling(5_000))
-        .unwrap();
+    block_on(s.put_policy_state(&new, "g1", "az1", &cooling(5_000))).unwrap();
     // The stale writer (lower fence) must not overwrite the new holder's state.
-    let err = s
-        .put_policy_state(&old, "g1", "az1", &cooling(1))
-        .unwrap_err();
+    let err = block_on(s.put_policy_state(&old, "g1", "az1", &cooling(1))).unwrap_err();
     assert!(matches!(err, StoreError::LeaseLost { .. }), "{err:?}");
     let rows = s.policy_states("g1").unwrap();
     assert_eq!(rows[0].state, cooling(5_000));
@@ -120,8 +115,8 @@ store_test!(
         let c2 = s
             .acquire_lease(&daemon_claim_key("g2"), "daemon-a", Duration::from_secs(30))
             .unwrap();
-        s.put_policy_state(&c1, "g1", "az1", &cooling(1)).unwrap();
-        s.put_policy_state(&c2, "g2", "az1", &cooling(1)).unwrap();
+        block_on(s.put_policy_state(&c1, "g1", "az1", &cooling(1))).unwrap();
+        block_on(s.put_policy_state(&c2, "g2", "az1", &cooling(1))).unwrap();
         assert_eq!(s.count_rows("policy_state").unwrap(), 2);
 
         s.delete_group("g1").unwrap();
@@ -131,7 +126,7 @@ store_test!(
         // The claim went with the group: a daemon still evaluating it cannot write
         // a row back.
         assert!(matches!(
-            s.put_policy_state(&c1, "g1", "az1", &cooling(1)),
+            block_on(s.put_policy_state(&c1, "g1", "az1", &cooling(1))),
             Err(StoreError::LeaseLost { .. })
         ));
         // Nor can one claim the deleted group afresh (which would leave a lease row
@@ -164,7 +159,7 @@ store_test!(
         let c = s
             .acquire_lease(&daemon_claim_key("g1"), "d", Duration::from_secs(30))
             .unwrap();
-        s.put_policy_state(&c, "g1", "az1", &cooling(9)).unwrap();
+        block_on(s.put_policy_state(&c, "g1", "az1", &cooling(9))).unwrap();
         drop(s);
         let s = ts.open();
         assert_eq!(s.policy_states("g1").unwrap()[0].state, cooling(9));
@@ -187,7 +182,7 @@ store_test!(
         let old = a
             .acquire_lease(&key, "daemon-a", Duration::from_millis(50))
             .unwrap();
-        a.put_policy_state(&old, "g1", "az1", &cooling(1)).unwrap();
+        block_on(a.put_policy_state(&old, "g1", "az1", &cooling(1))).unwrap();
         assert!(matches!(
             b.acquire_lease(&key, "daemon-b", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
@@ -197,9 +192,9 @@ store_test!(
             .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
             .unwrap();
         assert_eq!(new.fence, old.fence + 1);
-        b.put_policy_state(&new, "g1", "az1", &cooling(7)).unwrap();
+        block_on(b.put_policy_state(&new, "g1", "az1", &cooling(7))).unwrap();
         assert!(matches!(
-            a.put_policy_state(&old, "g1", "az1", &cooling(1)),
+            block_on(a.put_policy_state(&old, "g1", "az1", &cooling(1))),
             Err(StoreError::LeaseLost { .. })
         ));
         assert_eq!(a.policy_states("g1").unwrap()[0].state, cooling(7));

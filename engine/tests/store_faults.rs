@@ -10,8 +10,8 @@ use lbscale_engine::reconcile::KeptLease;
 use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
 use lbscale_engine::store_test;
 use lbscale_engine::store_testing::{
-    backends_named, postgres_admin_url, signal_backends, with_pg_client, Kind, StoppedBackends,
-    TestStore,
+    backends_named, block_on, postgres_admin_url, signal_backends, with_pg_client, Kind,
+    StoppedBackends, TestStore,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -118,9 +118,9 @@ store_test!(
             )
             .unwrap();
         let state = lbscale_core::policy::AzState::new(1);
-        s.put_policy_state(&claim, "g1", "az1", &state).unwrap();
+        block_on(s.put_policy_state(&claim, "g1", "az1", &state)).unwrap();
         std::thread::sleep(Duration::from_millis(300));
-        let err = s.put_policy_state(&claim, "g1", "az1", &state).unwrap_err();
+        let err = block_on(s.put_policy_state(&claim, "g1", "az1", &state)).unwrap_err();
         assert!(matches!(err, StoreError::LeaseLost { .. }), "{err:?}");
         assert!(matches!(
             s.renew_lease(&claim, Duration::from_secs(10)),
@@ -539,17 +539,21 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
     }
 }
 
-// Group reads (`group_rows`) that find every connection of the pool busy
-// wait for one without a thread each: on a runtime with one worker and one
-// blocking thread, eight of them, queued behind four writers that wait for the
-// store's write lock, all get their answer once the writers are through, and
-// the runtime's other tasks run all along.
+// What the daemon reads and writes at each evaluation (`group_rows`, and in a
+// breach streak `put_policy_state`), when it finds every connection of the
+// pool busy, waits for one without a thread each: on a runtime with one
+// worker and one blocking thread, eight reads and four writes, queued behind
+// four writers that wait for the store's write lock, all get their answer
+// once the writers are through, and the runtime's other tasks run all along.
 #[test]
-fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
+fn evaluation_reads_and_writes_wait_for_a_busy_pool_without_a_thread_each() {
     let Some((ts, app, s)) = postgres_store("busy_pool") else {
         return;
     };
     group(&s, "g1");
+    let claim = s
+        .acquire_lease(&daemon_claim_key("g1"), "daemon-a", Duration::from_secs(60))
+        .unwrap();
     let lock = ts.hold_write_lock();
     // The pool's four connections, each in a write that waits for the lock.
     let writers: Vec<_> = (0..4)
@@ -572,7 +576,9 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
     }
     let rt = runtime(1, Some(1));
     let held = Duration::from_millis(2000);
-    let (answers, waited, gap) = rt.block_on(async move {
+    let s2 = s.clone();
+    let (answers, written, waited, gap) = rt.block_on(async move {
+        let s = s2;
         let ticks = ticking_for(held + Duration::from_millis(1000));
         let reads: Vec<_> = (0..8)
             .map(|_| {
@@ -580,26 +586,57 @@ fn group_reads_wait_for_a_busy_pool_without_a_thread_each() {
                 tokio::spawn(async move { s.group_rows("g1").await })
             })
             .collect();
+        let writes: Vec<_> = (0..4)
+            .map(|i| {
+                let (s, claim) = (s.clone(), claim.clone());
+                let mut state = lbscale_core::policy::AzState::new(1);
+                state.out_streak = [i + 1, 0, 0];
+                tokio::spawn(async move {
+                    s.put_policy_state(&claim, "g1", &format!("az{i}"), &state)
+                        .await
+                })
+            })
+            .collect();
         tokio::time::sleep(held).await;
-        // Every read still waits for a connection: the pool was busy.
-        let waited = reads.iter().filter(|r| !r.is_finished()).count();
+        // Every call still waits for a connection: the pool was busy.
+        let waited = reads.iter().filter(|r| !r.is_finished()).count()
+            + writes.iter().filter(|w| !w.is_finished()).count();
         drop(lock);
         let mut answers = Vec::new();
         for r in reads {
             answers.push(r.await.unwrap());
         }
+        let mut written = Vec::new();
+        for w in writes {
+            written.push(w.await.unwrap());
+        }
         let (_, gap) = ticks.await.unwrap();
-        (answers, waited, gap)
+        (answers, written, waited, gap)
     });
     for w in writers {
         w.join().unwrap();
     }
-    eprintln!("{waited} of 8 reads waited behind a busy pool; longest gap between ticks {gap:?}");
-    assert_eq!(waited, 8, "reads answered while every connection was busy");
+    eprintln!("{waited} of 12 calls waited behind a busy pool; longest gap between ticks {gap:?}");
+    assert_eq!(waited, 12, "calls answered while every connection was busy");
     for a in answers {
         let rows = a.unwrap().expect("g1 is there");
         assert_eq!(rows.record.row.id, "g1");
     }
+    for w in written {
+        w.expect("the policy state is written under a live claim");
+    }
+    let streaks: Vec<(String, u32)> = s
+        .policy_states("g1")
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.az, r.state.out_streak[0]))
+        .collect();
+    assert_eq!(
+        streaks,
+        (0..4u32)
+            .map(|i| (format!("az{i}"), i + 1))
+            .collect::<Vec<_>>()
+    );
     assert!(
         gap < Duration::from_millis(1000),
         "the runtime's only worker was held {gap:?} by reads waiting for a connection"

@@ -33,10 +33,10 @@ mod vservers;
 
 pub use distributors::DistributorView;
 pub use groups::{GroupView, NodeView};
-pub use leases::{KeptLease, WORKFLOW_LEASE_TTL};
-pub use spans::SpanView;
 pub(crate) use join::stale_among;
+pub use leases::{KeptLease, WORKFLOW_LEASE_TTL};
 pub(crate) use spans::spans_of;
+pub use spans::SpanView;
 
 use crate::cloud::{Cloud, CloudError, Clouds, DriverStore, Registry};
 use crate::model::{CloudName, Finding, Findings};
