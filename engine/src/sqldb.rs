@@ -511,10 +511,11 @@ pub(crate) struct PgConn {
 
 /// Counts a pool's live connection threads; the thread's guard gives its
 /// slot back when it ends (however late a stalled call returns), and its
-/// count of stalled calls with it.
+/// count of stalled calls with it, and wakes a caller that waits for room.
 struct Slot {
     threads: Arc<AtomicUsize>,
     stalls: Arc<AtomicUsize>,
+    freed: Arc<tokio::sync::Notify>,
     /// [`RUNNING`], [`STALLED`] (a call gave up on it) or [`ENDED`].
     state: Arc<AtomicU8>,
 }
@@ -527,6 +528,7 @@ impl Drop for Slot {
             self.stalls.fetch_sub(1, Ordering::SeqCst);
         }
         self.threads.fetch_sub(1, Ordering::SeqCst);
+        self.freed.notify_one();
     }
 }
 
@@ -717,7 +719,8 @@ pub(crate) struct PgPool {
     idle: Mutex<Vec<PgConn>>,
     freed: Condvar,
     /// As `freed`, for callers that wait on an async runtime ([`PgPool::get_async`]).
-    freed_async: tokio::sync::Notify,
+    /// Also woken when a connection's thread ends (its slot is free).
+    freed_async: Arc<tokio::sync::Notify>,
     threads: Arc<AtomicUsize>,
     /// Calls that got no answer by their deadline and still wait for it.
     stalls: Arc<AtomicUsize>,
@@ -732,7 +735,7 @@ impl PgPool {
             limits,
             idle: Mutex::new(Vec::new()),
             freed: Condvar::new(),
-            freed_async: tokio::sync::Notify::new(),
+            freed_async: Arc::new(tokio::sync::Notify::new()),
             threads: Arc::new(AtomicUsize::new(0)),
             stalls: Arc::new(AtomicUsize::new(0)),
             name,
@@ -811,8 +814,9 @@ impl PgPool {
             if now >= until {
                 return Err(self.all_busy(wait));
             }
-            // A stalled thread that ends does not signal: look again soon,
-            // keeping this caller's place unless it was woken.
+            // Look again soon all the same (a wake-up can go to a caller
+            // that has just stopped waiting), keeping this caller's place
+            // unless it was woken.
             let step = (until - now).min(Duration::from_millis(50));
             if tokio::time::timeout(step, freed.as_mut()).await.is_ok() {
                 freed.set(self.freed_async.notified());
@@ -864,6 +868,7 @@ impl PgPool {
             .map(|_| Slot {
                 threads: self.threads.clone(),
                 stalls: self.stalls.clone(),
+                freed: self.freed_async.clone(),
                 state: Arc::new(AtomicU8::new(RUNNING)),
             })
     }
