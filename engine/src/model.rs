@@ -155,11 +155,6 @@ pub struct GroupSpec {
 }
 
 impl GroupSpec {
-    pub fn memory_limit_mb(&self) -> i64 {
-        self.node
-            .as_ref()
-            .map_or(DEFAULT_MEMORY_LIMIT_MB, |n| n.memory_limit_mb)
-    }
     /// The `node` block, or its defaults when there is none.
     pub fn node_spec(&self) -> NodeSpec {
         self.node.clone().unwrap_or_default()

@@ -45,7 +45,6 @@ async fn a_node_is_an_ec2_instance_started_once_and_terminated() {
         group_id: "g-aws".into(),
         group_name: "g-aws".into(),
         az: "us-east-1b".into(),
-        memory_limit_mb: 512,
         node: NodeSpec {
             memory_limit_mb: 512,
             ..NodeSpec::default()
@@ -201,7 +200,6 @@ async fn errors_name_the_call_and_the_missing_setting() {
         group_id: "g".into(),
         group_name: "g".into(),
         az: "us-east-1z".into(),
-        memory_limit_mb: 64,
         node: NodeSpec {
             memory_limit_mb: 64,
             ..NodeSpec::default()

@@ -492,7 +492,6 @@ fn request(node_id: &str, az: &str, node: NodeSpec) -> ProvisionRequest {
         group_id: "g-azure".into(),
         group_name: "g-azure".into(),
         az: az.into(),
-        memory_limit_mb: 512,
         node,
     }
 }

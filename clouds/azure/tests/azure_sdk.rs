@@ -220,7 +220,6 @@ async fn azure_s_python_sdks_read_what_the_driver_made_and_the_driver_sees_their
         group_id: "g-sdk".into(),
         group_name: "g-sdk".into(),
         az: "1".into(),
-        memory_limit_mb: 256,
         node: NodeSpec {
             image: Some("Canonical:ubuntu-24_04-lts:server:latest".into()),
             subnets: [("1".to_string(), subnet("1"))].into_iter().collect(),

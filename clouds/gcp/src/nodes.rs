@@ -112,7 +112,7 @@ fn startup_script(req: &ProvisionRequest) -> String {
         cert = file("node.pem", &c.cert_pem),
         key = file("node-key.pem", &c.key_pem),
         port = NODE_API_PORT,
-        mem = req.memory_limit_mb,
+        mem = req.node.memory_limit_mb,
     )
 }
 

@@ -30,7 +30,6 @@ fn request(node_id: &str, group: &str, zone: &str, node: NodeSpec) -> ProvisionR
         group_id: group.into(),
         group_name: format!("{group}-name"),
         az: zone.into(),
-        memory_limit_mb: node.memory_limit_mb,
         node,
     }
 }

@@ -253,7 +253,7 @@ impl Cloud for LocalCloud {
             "--api-port".into(),
             port.to_string(),
             "--memory-limit-mb".into(),
-            req.memory_limit_mb.to_string(),
+            req.node.memory_limit_mb.to_string(),
             // Many nodes share this machine: each reports its own process.
             "--stats".into(),
             "process".into(),

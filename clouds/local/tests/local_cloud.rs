@@ -43,7 +43,6 @@ async fn a_node_is_a_real_process_with_an_authenticated_api() {
         group_id: "g".into(),
         group_name: "g".into(),
         az: "az1".into(),
-        memory_limit_mb: 256,
         node: NodeSpec {
             memory_limit_mb: 256,
             ..NodeSpec::default()
@@ -127,7 +126,6 @@ fn request(id: &str) -> ProvisionRequest {
         group_id: "g".into(),
         group_name: "g".into(),
         az: "az1".into(),
-        memory_limit_mb: 256,
         node: NodeSpec {
             memory_limit_mb: 256,
             ..NodeSpec::default()

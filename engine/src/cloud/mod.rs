@@ -269,8 +269,6 @@ pub struct ProvisionRequest {
     pub group_id: String,
     pub group_name: String,
     pub az: String,
-    /// `node.memory_limit_mb` (the boot scripts read it here).
-    pub memory_limit_mb: i64,
     /// The group's whole `node` block (its defaults when it has none): the
     /// driver takes what its cloud supports (docs/resources/autoscale_group.md).
     pub node: NodeSpec,

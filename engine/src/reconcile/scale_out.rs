@@ -127,7 +127,6 @@ impl Engine {
             group_id: id.clone(),
             group_name: spec.name.clone(),
             az: az.to_string(),
-            memory_limit_mb: spec.memory_limit_mb(),
             node: spec.node_spec(),
             credentials,
         };
