@@ -439,7 +439,8 @@ fn take_turn(
 }
 
 /// The group, its nodes and its vservers as this evaluation reads them
-/// (three statements, awaited on the store connection's thread);
+/// (three statements, five behind an `nlb`, awaited on the store
+/// connection's thread);
 /// `None` when the group is gone.
 async fn snapshot(shared: &Shared, id: &str) -> Result<Option<GroupSnapshot>, EvalError> {
     shared

@@ -26,14 +26,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 mod events;
 mod leases;
 mod nodes;
 mod schema;
 
-pub use events::{Event, EventRetention};
+pub use events::{Event, EventRetention, EVENTS_MAX_AGE_ENV, EVENTS_MAX_PER_GROUP_ENV};
 pub use leases::{az_lease_key, daemon_claim_key, daemon_member_key, distributor_lease_key, Lease};
 use leases::{fence_clause, live_lease};
 use nodes::nodes_of_group_in;
@@ -532,10 +532,10 @@ impl Store {
 
     /// As [`Store::tx`], for a caller on an async runtime (as
     /// [`Store::with_async`]): on PostgreSQL the whole transaction runs on
-    /// the connection's thread, within one call deadline. A caller that gives
-    /// up at the deadline hears an error while the thread ends the
-    /// transaction, which may still commit (what a write fenced by a lease
-    /// can take: it lands only if the lease still held).
+    /// the connection's thread, within one call deadline. Past that deadline
+    /// the caller has heard an error and will write again: the thread then
+    /// rolls back rather than commit a write its caller gave up on (only a
+    /// COMMIT sent just before the deadline can still land after it).
     async fn tx_async<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut dyn Db) -> Result<T> + Send + 'static,
@@ -543,7 +543,19 @@ impl Store {
         match &self.backend {
             Backend::Postgres { pool, .. } => {
                 let mut conn = pool.get_async(pool.limits().call_deadline).await?;
-                conn.run(move |db| pg_transaction(db, f)).await
+                let until = Instant::now() + pool.limits().call_deadline;
+                conn.run(move |db| {
+                    pg_transaction(db, |db| {
+                        let out = f(db)?;
+                        if Instant::now() >= until {
+                            return Err(StoreError::Unreachable(
+                                "the transaction outlasted its call deadline; rolled back".into(),
+                            ));
+                        }
+                        Ok(out)
+                    })
+                })
+                .await
             }
             Backend::Sqlite(_) => self.tx(f),
         }
@@ -1339,10 +1351,11 @@ fn vservers_of_group_in(c: &mut dyn Db, group_id: &str) -> Result<Vec<Row<Vserve
 }
 
 /// `f` in a write transaction of PostgreSQL connection `db`, under the
-/// store's write lock: committed if it returns Ok, rolled back otherwise. A
-/// connection that stalled is dropped, not rolled back (its ROLLBACK fails at
-/// once): its server ends the transaction (idle_in_transaction_session_timeout,
-/// or the socket closing when the stalled call returns).
+/// store's write lock: committed if it returns Ok, rolled back otherwise.
+/// Through a pooled connection ([`Store::tx`]), one that stalled is dropped,
+/// not rolled back (its ROLLBACK fails at once): its server ends the
+/// transaction (idle_in_transaction_session_timeout, or the socket closing
+/// when the stalled call returns).
 fn pg_transaction<T>(db: &mut dyn Db, f: impl FnOnce(&mut dyn Db) -> Result<T>) -> Result<T> {
     let rollback = |db: &mut dyn Db| {
         let _ = db.batch("ROLLBACK");
