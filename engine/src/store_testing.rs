@@ -10,6 +10,7 @@
 //! [`store_test!`](crate::store_test) writes one test body as two tests,
 //! `NAME::sqlite` and `NAME::postgres`.
 
+use crate::model::{ServiceSpec, VserverSpec};
 use crate::store::{Store, StoreError, PG_WRITE_LOCK};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -416,4 +417,27 @@ macro_rules! store_test {
             }
         }
     };
+}
+
+/// A vserver of `se_group` with one service (the discard port of 127.0.0.1),
+/// as the store's tests declare them.
+pub fn vserver_spec(name: &str, se_group: &str, service_type: &str, port: i64) -> VserverSpec {
+    VserverSpec {
+        name: name.into(),
+        se_group_id: se_group.into(),
+        service_type: service_type.into(),
+        port,
+        lb_method: "ROUNDROBIN".into(),
+        persistence: "NONE".into(),
+        services: vec![ServiceSpec {
+            name: format!("{name}-s1"),
+            address: "127.0.0.1".into(),
+            port: 9,
+            weight: 1,
+            enabled: true,
+        }],
+        slow_start: None,
+        max_connections: 0,
+        udp_health_request: String::new(),
+    }
 }

@@ -6,9 +6,9 @@
 use lbscale_engine::cloud::Clouds;
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, SeGroupSpec,
-    ServiceSpec, VserverSpec,
 };
 use lbscale_engine::store::{NodeRow, NodeState, Store};
+use lbscale_engine::store_testing::vserver_spec;
 use lbscale_engine::{store_test, Engine};
 
 fn spec() -> GroupSpec {
@@ -159,7 +159,10 @@ store_test!(
             .unwrap();
         for (i, name) in ["reads-vs-a", "reads-vs-b"].into_iter().enumerate() {
             store
-                .insert_vserver(&format!("vs-{i}"), &vserver(name, "se-3", 18800 + i as i64))
+                .insert_vserver(
+                    &format!("vs-{i}"),
+                    &vserver_spec(name, "se-3", "TCP", 18800 + i as i64),
+                )
                 .unwrap();
         }
         store.set_vserver_span("vs-0", "az1", 2, None).unwrap();
@@ -204,24 +207,3 @@ store_test!(
         assert_eq!(cost, 7);
     }
 );
-
-fn vserver(name: &str, se_group: &str, port: i64) -> VserverSpec {
-    VserverSpec {
-        name: name.into(),
-        se_group_id: se_group.into(),
-        service_type: "TCP".into(),
-        port,
-        lb_method: "ROUNDROBIN".into(),
-        persistence: "NONE".into(),
-        services: vec![ServiceSpec {
-            name: format!("{name}-s1"),
-            address: "127.0.0.1".into(),
-            port: 9,
-            weight: 1,
-            enabled: true,
-        }],
-        slow_start: None,
-        max_connections: 0,
-        udp_health_request: String::new(),
-    }
-}

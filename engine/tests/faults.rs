@@ -11,10 +11,11 @@ use lbscale_engine::cloud::faulty::{Call, Fault, Faults};
 use lbscale_engine::cloud::Clouds;
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, SeGroupSpec,
-    ServiceSpec, ThresholdSpec, VserverSpec,
+    ThresholdSpec,
 };
 use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
 use lbscale_engine::store::{NodeRow, NodeState};
+use lbscale_engine::store_testing::vserver_spec;
 use lbscale_engine::{Engine, EngineError};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::{
@@ -1183,27 +1184,6 @@ fn se_group(name: &str, group: &str) -> SeGroupSpec {
     }
 }
 
-fn vserver(name: &str, se_group: &str, service_type: &str, port: i64) -> VserverSpec {
-    VserverSpec {
-        name: name.into(),
-        se_group_id: se_group.into(),
-        service_type: service_type.into(),
-        port,
-        lb_method: "ROUNDROBIN".into(),
-        persistence: "NONE".into(),
-        services: vec![ServiceSpec {
-            name: format!("{name}-s1"),
-            address: "127.0.0.1".into(),
-            port: 9,
-            weight: 1,
-            enabled: true,
-        }],
-        slow_start: None,
-        max_connections: 0,
-        udp_health_request: String::new(),
-    }
-}
-
 /// The snapshot's answer on the group's publication, then the full check's
 /// (which publishes when it finds a difference): they agree, and once
 /// published both say settled. Whether the full check published.
@@ -1283,7 +1263,7 @@ async fn the_snapshots_publication_check_agrees_with_the_full_one() {
         ),
     ] {
         store
-            .insert_vserver(id, &vserver(name, se, ty, port))
+            .insert_vserver(id, &vserver_spec(name, se, ty, port))
             .unwrap();
     }
     assert!(publication_agrees(&s, "nodes and vservers added").await);
@@ -1297,14 +1277,14 @@ async fn the_snapshots_publication_check_agrees_with_the_full_one() {
     store
         .insert_vserver(
             "flt-agree-vs-4",
-            &vserver("flt-agree-udp2", "flt-agree-se-b", "UDP", 15354),
+            &vserver_spec("flt-agree-udp2", "flt-agree-se-b", "UDP", 15354),
         )
         .unwrap();
     publication_agrees(&s, "a UDP vserver added").await;
     store
         .insert_vserver(
             "flt-agree-vs-5",
-            &vserver("flt-agree-tcp2", "flt-agree-se-b", "TCP", 16000),
+            &vserver_spec("flt-agree-tcp2", "flt-agree-se-b", "TCP", 16000),
         )
         .unwrap();
     assert!(publication_agrees(&s, "a TCP vserver added").await);

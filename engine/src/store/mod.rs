@@ -662,16 +662,7 @@ impl Store {
         column: &str,
         value: &str,
     ) -> Result<Vec<Row<T>>> {
-        let table = table_of(kind);
-        let rows = self.with(|c| {
-            c.query(
-                &format!(
-                    "SELECT id, spec FROM {table} WHERE {column} = ?1 ORDER BY created_at, id"
-                ),
-                vals![value],
-            )
-        })?;
-        Self::rows_of(kind, rows)
+        self.with(|c| list_by_in(c, kind, column, value))
     }
 
     fn delete_row(&self, kind: &'static str, id: &str) -> Result<()> {
@@ -1373,11 +1364,23 @@ fn stored_span(span: i64) -> u32 {
     span.clamp(1, i64::from(u32::MAX)) as u32
 }
 
-fn nlb_rows_in(c: &mut dyn Db, group_id: &str) -> Result<NlbRows> {
-    let se_groups = c.query(
-        "SELECT id, spec FROM se_groups WHERE group_id = ?1 ORDER BY created_at, id",
-        vals![group_id],
+/// [`Store::list_by`] on connection `c`.
+fn list_by_in<T: DeserializeOwned>(
+    c: &mut dyn Db,
+    kind: &'static str,
+    column: &str,
+    value: &str,
+) -> Result<Vec<Row<T>>> {
+    let table = table_of(kind);
+    let rows = c.query(
+        &format!("SELECT id, spec FROM {table} WHERE {column} = ?1 ORDER BY created_at, id"),
+        vals![value],
     )?;
+    Store::rows_of(kind, rows)
+}
+
+fn nlb_rows_in(c: &mut dyn Db, group_id: &str) -> Result<NlbRows> {
+    let se_groups = list_by_in(c, "SE group", "group_id", group_id)?;
     let spans = c.query(
         "SELECT p.vserver_id, p.az, p.span FROM vserver_spans p
          JOIN vservers v ON v.id = p.vserver_id JOIN se_groups s ON s.id = v.se_group_id
@@ -1385,7 +1388,7 @@ fn nlb_rows_in(c: &mut dyn Db, group_id: &str) -> Result<NlbRows> {
         vals![group_id],
     )?;
     Ok(NlbRows {
-        se_groups: Store::rows_of("SE group", se_groups)?,
+        se_groups,
         spans: spans
             .iter()
             .map(|r| Ok(((r.text(0)?, r.text(1)?), stored_span(r.int(2)?))))
