@@ -8,6 +8,7 @@ pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::HandshakeKind;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::body::BoxBody;
@@ -61,9 +62,6 @@ impl tonic::service::Interceptor for BearerToken {
 /// and every call carrying the node's own token (docs/security.md).
 pub struct NodeClient {
     addr: String,
-    // Dropped before `inner`, so that the connection writes nothing more
-    // once the client is gone (wire.rs).
-    _gone: wire::Gone,
     inner: NodeApiClient<Authed>,
     resumed: bool,
 }
@@ -155,12 +153,25 @@ fn client_config(
 }
 
 /// One HTTP/2 connection to a node's API, as the generated client calls it.
-/// A connection serves one client (the daemon dials a node per sample, or
-/// keeps it at short intervals): no buffer task and no reconnect, unlike
-/// tonic's channel. A call that fails to reach the node is `Unavailable`,
-/// which [`NodeClient`] reports as unreachable.
-#[derive(Clone)]
-pub struct NodeConn(hyper::client::conn::http2::SendRequest<Full<Bytes>>);
+/// A connection serves one client, a call at a time (the daemon dials a node
+/// per sample, or keeps it at short intervals), and each call drives the
+/// connection itself until it has the whole answer: no task of its own, no
+/// buffer task and no reconnect, unlike hyper's connection or tonic's
+/// channel, whose tasks and wakeups cost more than a sample's one call. A
+/// call that fails to reach the node is `Unavailable`, which [`NodeClient`]
+/// reports as unreachable.
+pub struct NodeConn(Arc<tokio::sync::Mutex<H2>>);
+
+type NodeIo = wire::Wire<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+
+/// The connection's two halves: streams are opened by `send`, and bytes move
+/// only while `conn` is polled.
+struct H2 {
+    send: h2::client::SendRequest<Bytes>,
+    conn: h2::client::Connection<NodeIo, Bytes>,
+    /// The connection has ended (it is not polled again).
+    ended: bool,
+}
 
 fn unavailable(e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
     Box::new(tonic::Status::unavailable(e.to_string()))
@@ -171,50 +182,112 @@ impl Service<http::Request<BoxBody>> for NodeConn {
     type Error = Box<dyn std::error::Error + Send + Sync>;
     type Future = BoxFuture<Self::Response, Self::Error>;
 
-    /// Always ready: a closed connection fails at `send_request`, which
-    /// `call` reports as Unavailable. (The generated client turns an error
-    /// here into Unknown, which would read as a refusal.)
+    /// Always ready: a closed connection fails in `call`, which reports it
+    /// as Unavailable. (The generated client turns an error here into
+    /// Unknown, which would read as a refusal.)
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
-        let mut send = self.0.clone();
+        let h2 = self.0.clone();
         // The whole call, answer body included, is bounded by the client
         // ([`NodeClient`]'s `CALL_TIMEOUT`).
         Box::pin(async move {
             // The whole request (one message) first: it then goes out as
-            // HEADERS and one DATA frame that ends the stream, with no task
-            // of its own piping the body and no empty DATA frame after it.
+            // HEADERS and one DATA frame that ends the stream.
             let (parts, body) = req.into_parts();
             let body = body
                 .collect()
                 .await
                 .map_err(|s| Box::new(s) as Self::Error)?
                 .to_bytes();
-            send.send_request(http::Request::from_parts(parts, Full::new(body)))
+            let mut h2 = h2.lock_owned().await;
+            h2.exchange(http::Request::from_parts(parts, ()), body)
                 .await
-                .map(|res| res.map(tonic::body::boxed))
-                .map_err(|e| unavailable(chain(&e)))
+                .map_err(unavailable)
         })
+    }
+}
+
+impl H2 {
+    /// Sends one request and reads its whole answer, trailers (the gRPC
+    /// status) included, polling the connection all along.
+    async fn exchange(
+        &mut self,
+        req: http::Request<()>,
+        body: Bytes,
+    ) -> Result<http::Response<BoxBody>, String> {
+        let mut send = self.send.clone();
+        self.driving(std::future::poll_fn(|cx| send.poll_ready(cx)))
+            .await?
+            .map_err(|e| chain(&e))?;
+        let (answer, mut stream) = send
+            .send_request(req, body.is_empty())
+            .map_err(|e| chain(&e))?;
+        if !body.is_empty() {
+            stream.send_data(body, true).map_err(|e| chain(&e))?;
+        }
+        let answer = self.driving(answer).await?.map_err(|e| chain(&e))?;
+        let (parts, mut recv) = answer.into_parts();
+        let mut data = bytes::BytesMut::new();
+        while let Some(chunk) = self.driving(recv.data()).await? {
+            let chunk = chunk.map_err(|e| chain(&e))?;
+            let _ = recv.flow_control().release_capacity(chunk.len());
+            data.extend_from_slice(&chunk);
+        }
+        let trailers = self
+            .driving(recv.trailers())
+            .await?
+            .map_err(|e| chain(&e))?;
+        let body = Full::new(data.freeze()).with_trailers(std::future::ready(trailers.map(Ok)));
+        Ok(http::Response::from_parts(parts, tonic::body::boxed(body)))
+    }
+
+    /// `step`'s output, the connection polled meanwhile: first, so that
+    /// what it reads is there when `step` is polled.
+    async fn driving<F: Future>(&mut self, step: F) -> Result<F::Output, String> {
+        let mut step = std::pin::pin!(step);
+        std::future::poll_fn(|cx| {
+            if !self.ended {
+                match std::pin::Pin::new(&mut self.conn).poll(cx) {
+                    Poll::Ready(Ok(())) => self.ended = true,
+                    Poll::Ready(Err(e)) => {
+                        self.ended = true;
+                        if let Poll::Ready(out) = step.as_mut().poll(cx) {
+                            return Poll::Ready(Ok(out));
+                        }
+                        return Poll::Ready(Err(chain(&e)));
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            match step.as_mut().poll(cx) {
+                Poll::Ready(out) => Poll::Ready(Ok(out)),
+                Poll::Pending if self.ended => {
+                    Poll::Ready(Err("the node closed the connection".to_string()))
+                }
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
     }
 }
 
 /// A connection dialled by [`dial`].
 struct Dialled {
     conn: NodeConn,
-    gone: wire::Gone,
     resumed: bool,
 }
 
 /// Dials one node: TCP to its address, TLS with the group's client
-/// configuration for the node's certificate name, then HTTP/2, whose
-/// connection runs in a task of its own until the client is dropped.
+/// configuration for the node's certificate name, then HTTP/2.
 ///
-/// HTTP/2 writes through a [`wire::Wire`]: a flight at a time, and nothing
-/// once the client is dropped (it has its answers, or gave up on them). The
-/// socket has zero linger, so it is then reset rather than left in
-/// TIME_WAIT, for a connection the daemon opens per node at every sample.
+/// HTTP/2 writes through a [`wire::Wire`], a flight at a time. Nothing is
+/// written once the client is dropped (it has its answers, or gave up on
+/// them): it drops the connection with it, and the socket, with zero
+/// linger, is then reset rather than left in TIME_WAIT, for a connection
+/// the daemon opens per node at every sample.
 async fn dial(
     addr: &str,
     tls: Arc<rustls::ClientConfig>,
@@ -230,21 +303,19 @@ async fn dial(
         .await
         .map_err(|e| chain(&e))?;
     let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
-    let (tls, gone) = wire::Wire::new(tls);
-    let (send, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .timer(hyper_util::rt::TokioTimer::new())
-            .handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .map_err(|e| chain(&e))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "node API connection ended");
-        }
-    });
+    // The preface and SETTINGS are only gathered here: they go out with the
+    // first request.
+    let (send, conn) = h2::client::Builder::new()
+        .enable_push(false)
+        .handshake(wire::Wire::new(tls))
+        .await
+        .map_err(|e| chain(&e))?;
     Ok(Dialled {
-        conn: NodeConn(send),
-        gone,
+        conn: NodeConn(Arc::new(tokio::sync::Mutex::new(H2 {
+            send,
+            conn,
+            ended: false,
+        }))),
         resumed,
     })
 }
@@ -312,7 +383,6 @@ impl NodeClient {
                 origin,
             ),
             addr,
-            _gone: dialled.gone,
             resumed: dialled.resumed,
         })
     }

@@ -6,53 +6,29 @@
 //! HTTP/2 flushes, so that one flight goes out as one record in one segment.
 //! On loopback, and to a node next to the daemon, a segment's cost is mostly
 //! the kernel's, and the daemon opens a connection per node at every sample.
-//!
-//! Once the client has gone ([`Gone`] dropped: it has its answers, or gave
-//! up on them), nothing more is written: HTTP/2's GOAWAY and TLS's
-//! close_notify would tell a peer that nobody listens to any more that the
-//! connection ends, which the reset of the socket (zero linger) says too.
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Past this many bytes gathered, they are sent before more are taken.
 const GATHER_UP_TO: usize = 16 * 1024;
 
-/// A stream whose writes wait for a flush, and stop once its client is gone.
+/// A stream whose writes wait for a flush.
 pub(super) struct Wire<T> {
     io: T,
     out: Vec<u8>,
     sent: usize,
-    gone: Arc<AtomicBool>,
-}
-
-/// Held by the client of a [`Wire`]: dropping it ends the wire's writes.
-pub(super) struct Gone(Arc<AtomicBool>);
-
-impl Drop for Gone {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
 }
 
 impl<T> Wire<T> {
-    pub(super) fn new(io: T) -> (Wire<T>, Gone) {
-        let gone = Arc::new(AtomicBool::new(false));
-        let wire = Wire {
+    pub(super) fn new(io: T) -> Wire<T> {
+        Wire {
             io,
             out: Vec::new(),
             sent: 0,
-            gone: gone.clone(),
-        };
-        (wire, Gone(gone))
-    }
-
-    fn gone(&self) -> bool {
-        self.gone.load(Ordering::Acquire)
+        }
     }
 }
 
@@ -77,26 +53,13 @@ impl<T: AsyncWrite + Unpin> Wire<T> {
         Poll::Ready(Ok(()))
     }
 
-    /// Whether writes are still taken (the client is not gone), once there
-    /// is room for them.
-    fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
-        if self.gone() {
-            return Poll::Ready(Ok(false));
-        }
+    /// Room for more writes: past the gathering bound, what is gathered is
+    /// written out first.
+    fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if self.out.len() >= GATHER_UP_TO {
             ready!(self.poll_send(cx))?;
         }
-        Poll::Ready(Ok(true))
-    }
-
-    /// Whether the stream under the wire is still used (the client is not
-    /// gone), once what is gathered is written out.
-    fn poll_drained(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
-        if self.gone() {
-            return Poll::Ready(Ok(false));
-        }
-        ready!(self.poll_send(cx))?;
-        Poll::Ready(Ok(true))
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -117,9 +80,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if ready!(this.poll_room(cx))? {
-            this.out.extend_from_slice(buf);
-        }
+        ready!(this.poll_room(cx))?;
+        this.out.extend_from_slice(buf);
         Poll::Ready(Ok(buf.len()))
     }
 
@@ -129,10 +91,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if ready!(this.poll_room(cx))? {
-            for b in bufs {
-                this.out.extend_from_slice(b);
-            }
+        ready!(this.poll_room(cx))?;
+        for b in bufs {
+            this.out.extend_from_slice(b);
         }
         Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
     }
@@ -143,19 +104,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !ready!(this.poll_drained(cx))? {
-            return Poll::Ready(Ok(()));
-        }
+        ready!(this.poll_send(cx))?;
         Pin::new(&mut this.io).poll_flush(cx)
     }
 
-    /// Once the client is gone, no close_notify and no FIN: the socket is
-    /// reset when it is dropped.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !ready!(this.poll_drained(cx))? {
-            return Poll::Ready(Ok(()));
-        }
+        ready!(this.poll_send(cx))?;
         Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }
@@ -163,12 +118,14 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Wire<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// Counts the writes that reach the stream under the wire.
     struct Counted<T> {
         io: T,
-        writes: Arc<std::sync::atomic::AtomicUsize>,
+        writes: Arc<AtomicUsize>,
     }
 
     impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
@@ -190,14 +147,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn writes_go_out_together_at_a_flush_and_not_at_all_once_the_client_is_gone() {
+    async fn writes_go_out_together_at_a_flush() {
         let (near, mut far) = tokio::io::duplex(1 << 20);
-        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let writes = Arc::new(AtomicUsize::new(0));
         let counted = Counted {
             io: near,
             writes: writes.clone(),
         };
-        let (mut wire, gone) = Wire::new(counted);
+        let mut wire = Wire::new(counted);
         wire.write_all(b"preface ").await.unwrap();
         wire.write_all(b"settings ").await.unwrap();
         let taken = wire
@@ -226,18 +183,13 @@ mod tests {
         far.read_exact(&mut got).await.unwrap();
         assert_eq!(got[GATHER_UP_TO], b'x');
 
-        drop(gone);
-        wire.write_all(b"goaway").await.unwrap();
-        wire.flush().await.unwrap();
+        // A shutdown sends what is gathered, then ends the stream.
+        wire.write_all(b"last").await.unwrap();
         wire.shutdown().await.unwrap();
-        assert_eq!(
-            writes.load(Ordering::Relaxed),
-            3,
-            "nothing after the client has gone"
-        );
-        // And no shutdown reached the far end either: it still waits for data.
-        let mut one = [0u8; 1];
-        let r = tokio::time::timeout(std::time::Duration::from_millis(100), far.read(&mut one));
-        assert!(r.await.is_err(), "the far end saw an end of stream");
+        // The big flight, the "x" at its flush, then "last" at the shutdown.
+        assert_eq!(writes.load(Ordering::Relaxed), 4);
+        let mut rest = Vec::new();
+        far.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"last");
     }
 }
