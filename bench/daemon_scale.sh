@@ -43,7 +43,8 @@
 #   NODE_PORT=29431     the simulated nodes' API port (0.0.0.0)
 #   DAEMON_PORT=9480    the first daemon's HTTP port (127.0.0.1), then +1...
 #   PG_URL=...          an admin URL of a PostgreSQL server; default:
-#                       $LBSCALE_TEST_POSTGRES_URL (source /tmp/lbscale-test-env.sh),
+#                       $LBSCALE_TEST_POSTGRES_URL (e.g. from
+#                       `LBSCALE_PG_DIR=/tmp/pg-bench scripts/postgres.sh start`),
 #                       whose server gets a database bench_daemon_scale (dropped
 #                       and made again)
 #   KEEP=0              1: keep the database and logs at the end
@@ -64,7 +65,7 @@ NODE_PORT=${NODE_PORT:-29431}
 DAEMON_PORT=${DAEMON_PORT:-9480}
 KEEP=${KEEP:-0}
 PG_URL=${PG_URL:-${LBSCALE_TEST_POSTGRES_URL:-}}
-[ -n "$PG_URL" ] || { echo "daemon_scale: set PG_URL or source /tmp/lbscale-test-env.sh" >&2; exit 1; }
+[ -n "$PG_URL" ] || { echo "daemon_scale: set PG_URL (or LBSCALE_TEST_POSTGRES_URL) to an admin URL of a PostgreSQL server; scripts/postgres.sh start prints one" >&2; exit 1; }
 interval_s=${STATS_INTERVAL%s}
 case "$interval_s" in *[!0-9]*) echo "daemon_scale: STATS_INTERVAL must be whole seconds (60s)" >&2; exit 1 ;; esac
 

@@ -5,6 +5,7 @@ use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError, NodeClient};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,52 +123,61 @@ pub(crate) async fn sample(
 ) -> Sampled {
     // Forget the connections of nodes that left.
     clients.retain(|id, _| targets.iter().any(|t| &t.id == id));
-    let mut set = tokio::task::JoinSet::new();
-    for t in &targets {
-        let addr = format!("{}:{}", t.ip, t.port);
-        let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
-        let (id, ip, port, token) = (t.id.clone(), t.ip.clone(), t.port, token.to_string());
-        let creds = creds.clone();
-        set.spawn(async move {
-            let call = async {
-                if let Some(c) = cached {
-                    let mut client = c.client;
-                    match client.stats_over(window).await {
-                        Ok(stats) => return Ok((client, stats)),
-                        // The kept connection ended (the node restarted,
-                        // say): a new one, within the same timeout.
-                        Err(NodeApiError::Unreachable { .. }) => {}
-                        // The node answered: a new connection would hear
-                        // the same.
-                        Err(e) => return Err(e.to_string()),
-                    }
-                }
-                let mut client = NodeClient::connect_with(&creds, &ip, port, &id, &token)
+    // The calls run inside the evaluation's own task, not a task each: at a
+    // sample's few calls, a spawn, its wakeups and its join cost more than
+    // the polls they would spread over the workers.
+    let mut calls: FuturesUnordered<_> = targets
+        .iter()
+        .map(|t| {
+            let addr = format!("{}:{}", t.ip, t.port);
+            let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
+            async move {
+                let r = tokio::time::timeout(STATS_TIMEOUT, stats_of(t, cached, token, creds, window))
                     .await
-                    .map_err(|e| e.to_string())?;
-                let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((client, stats))
-            };
-            let r = match tokio::time::timeout(STATS_TIMEOUT, call).await {
-                Ok(r) => r,
-                Err(_) => Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())),
-            };
-            (id, addr, r)
-        });
-    }
+                    .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())));
+                (t, addr, r)
+            }
+        })
+        .collect();
     let keep = window <= KEEP_CONNECTIONS_UP_TO;
     let mut answers = HashMap::new();
-    while let Some(joined) = set.join_next().await {
-        let Ok((id, addr, r)) = joined else { continue };
+    while let Some((t, addr, r)) = calls.next().await {
         match r {
             Ok((client, stats)) => {
                 if keep {
-                    clients.insert(id.clone(), CachedClient { addr, client });
+                    clients.insert(t.id.clone(), CachedClient { addr, client });
                 }
-                answers.insert(id, stats);
+                answers.insert(t.id.clone(), stats);
             }
-            Err(e) => tracing::debug!(node = %id, error = %e, "no statistics from node"),
+            Err(e) => tracing::debug!(node = %t.id, error = %e, "no statistics from node"),
         }
     }
+    drop(calls);
     Sampled { targets, answers }
+}
+
+/// One target's statistics, over its kept connection when there is one.
+async fn stats_of(
+    t: &Target,
+    cached: Option<CachedClient>,
+    token: &str,
+    creds: &Arc<EngineCredentials>,
+    window: Duration,
+) -> Result<(NodeClient, NodeStats), String> {
+    if let Some(c) = cached {
+        let mut client = c.client;
+        match client.stats_over(window).await {
+            Ok(stats) => return Ok((client, stats)),
+            // The kept connection ended (the node restarted, say): a new
+            // one, within the same timeout.
+            Err(NodeApiError::Unreachable { .. }) => {}
+            // The node answered: a new connection would hear the same.
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let mut client = NodeClient::connect_with(creds, &t.ip, t.port, &t.id, token)
+        .await
+        .map_err(|e| e.to_string())?;
+    let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
+    Ok((client, stats))
 }
