@@ -219,9 +219,18 @@ impl H2 {
         body: Bytes,
     ) -> Result<http::Response<BoxBody>, String> {
         let mut send = self.send.clone();
-        self.driving(std::future::poll_fn(|cx| send.poll_ready(cx)))
-            .await?
-            .map_err(|e| chain(&e))?;
+        // Without polling the connection when a stream can open at once: a
+        // poll here would send the preface and SETTINGS of a new connection
+        // in a flight of their own, not with the request. A closed kept
+        // connection then fails at the answer, as Unavailable too.
+        let ready = std::future::poll_fn(|cx| Poll::Ready(send.poll_ready(cx))).await;
+        match ready {
+            Poll::Ready(r) => r.map_err(|e| chain(&e))?,
+            Poll::Pending => self
+                .driving(std::future::poll_fn(|cx| send.poll_ready(cx)))
+                .await?
+                .map_err(|e| chain(&e))?,
+        }
         let (answer, mut stream) = send
             .send_request(req, body.is_empty())
             .map_err(|e| chain(&e))?;
