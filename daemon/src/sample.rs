@@ -1,11 +1,11 @@
 //! Sampling a group's serving nodes through their management API.
 
 use crate::metrics::{RampingService, SampleOut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError, NodeClient};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -132,9 +132,12 @@ pub(crate) async fn sample(
             let addr = format!("{}:{}", t.ip, t.port);
             let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
             async move {
-                let r = tokio::time::timeout(STATS_TIMEOUT, stats_of(t, cached, token, creds, window))
-                    .await
-                    .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())));
+                let r =
+                    tokio::time::timeout(STATS_TIMEOUT, stats_of(t, cached, token, creds, window))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
+                        });
                 (t, addr, r)
             }
         })
