@@ -335,6 +335,7 @@ struct SimApi {
 
 impl SimApi {
     /// The node the call was made to, if the call carries its token.
+    #[allow(clippy::result_large_err)] // tonic's Status is what a handler returns
     fn node<T>(&self, req: &Request<T>) -> Result<SimNode, Status> {
         let Some(SocketAddr::V4(local)) = req.local_addr() else {
             return Err(Status::permission_denied("not a simulated node's address"));

@@ -2,6 +2,7 @@
 
 use crate::metrics::{RampingService, SampleOut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt;
 use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError, NodeClient};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
@@ -131,13 +132,21 @@ pub(crate) async fn sample(
         .map(|t| {
             let addr = format!("{}:{}", t.ip, t.port);
             let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
+            // A panic in one node's call (a bug its answer runs into) costs
+            // that node's answer, not the evaluation: the other nodes' stats
+            // still count, as when each call was a task of its own.
+            let call = std::panic::AssertUnwindSafe(stats_of(t, cached, token, creds, window))
+                .catch_unwind()
+                .map(|r| {
+                    r.unwrap_or_else(|_| {
+                        tracing::error!(node = %t.id, "the call for the node's statistics panicked");
+                        Err("the call panicked".to_string())
+                    })
+                });
             async move {
-                let r =
-                    tokio::time::timeout(STATS_TIMEOUT, stats_of(t, cached, token, creds, window))
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
-                        });
+                let r = tokio::time::timeout(STATS_TIMEOUT, call)
+                    .await
+                    .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())));
                 (t, addr, r)
             }
         })

@@ -165,16 +165,26 @@ pub struct NodeConn(Arc<tokio::sync::Mutex<H2>>);
 type NodeIo = wire::Wire<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
 
 /// The connection's two halves: streams are opened by `send`, and bytes move
-/// only while `conn` is polled.
-struct H2 {
+/// only while `conn` is polled. (Generic over its stream for the tests.)
+struct H2<T = NodeIo> {
     send: h2::client::SendRequest<Bytes>,
-    conn: h2::client::Connection<NodeIo, Bytes>,
-    /// The connection has ended (it is not polled again).
-    ended: bool,
+    conn: h2::client::Connection<T, Bytes>,
+    /// Why the connection ended, once it has (it is not polled again).
+    ended: Option<String>,
 }
 
-fn unavailable(e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
-    Box::new(tonic::Status::unavailable(e.to_string()))
+/// What an HTTP/2 error of a call tells: the node reset this call's stream
+/// (it had the request: a new connection would hear the same, a refusal),
+/// or the connection failed or the node would not take the call
+/// (`REFUSED_STREAM`: not processed), which is Unavailable, worth a new
+/// connection.
+fn status_of(e: &h2::Error) -> tonic::Status {
+    let refused_stream = e.reason() == Some(h2::Reason::REFUSED_STREAM);
+    if e.is_reset() && e.is_remote() && !refused_stream {
+        tonic::Status::internal(format!("the node reset the call: {}", chain(e)))
+    } else {
+        tonic::Status::unavailable(chain(e))
+    }
 }
 
 impl Service<http::Request<BoxBody>> for NodeConn {
@@ -205,19 +215,19 @@ impl Service<http::Request<BoxBody>> for NodeConn {
             let mut h2 = h2.lock_owned().await;
             h2.exchange(http::Request::from_parts(parts, ()), body)
                 .await
-                .map_err(unavailable)
+                .map_err(|s| Box::new(s) as Self::Error)
         })
     }
 }
 
-impl H2 {
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> H2<T> {
     /// Sends one request and reads its whole answer, trailers (the gRPC
     /// status) included, polling the connection all along.
     async fn exchange(
         &mut self,
         req: http::Request<()>,
         body: Bytes,
-    ) -> Result<http::Response<BoxBody>, String> {
+    ) -> Result<http::Response<BoxBody>, tonic::Status> {
         let mut send = self.send.clone();
         // Without polling the connection when a stream can open at once: a
         // poll here would send the preface and SETTINGS of a new connection
@@ -225,58 +235,56 @@ impl H2 {
         // connection then fails at the answer, as Unavailable too.
         let ready = std::future::poll_fn(|cx| Poll::Ready(send.poll_ready(cx))).await;
         match ready {
-            Poll::Ready(r) => r.map_err(|e| chain(&e))?,
+            Poll::Ready(r) => r.map_err(|e| status_of(&e))?,
             Poll::Pending => self
                 .driving(std::future::poll_fn(|cx| send.poll_ready(cx)))
                 .await?
-                .map_err(|e| chain(&e))?,
+                .map_err(|e| status_of(&e))?,
         }
         let (answer, mut stream) = send
             .send_request(req, body.is_empty())
-            .map_err(|e| chain(&e))?;
+            .map_err(|e| status_of(&e))?;
         if !body.is_empty() {
-            stream.send_data(body, true).map_err(|e| chain(&e))?;
+            stream.send_data(body, true).map_err(|e| status_of(&e))?;
         }
-        let answer = self.driving(answer).await?.map_err(|e| chain(&e))?;
+        let answer = self.driving(answer).await?.map_err(|e| status_of(&e))?;
         let (parts, mut recv) = answer.into_parts();
         let mut data = bytes::BytesMut::new();
         while let Some(chunk) = self.driving(recv.data()).await? {
-            let chunk = chunk.map_err(|e| chain(&e))?;
+            let chunk = chunk.map_err(|e| status_of(&e))?;
             let _ = recv.flow_control().release_capacity(chunk.len());
             data.extend_from_slice(&chunk);
         }
         let trailers = self
             .driving(recv.trailers())
             .await?
-            .map_err(|e| chain(&e))?;
+            .map_err(|e| status_of(&e))?;
         let body = Full::new(data.freeze()).with_trailers(std::future::ready(trailers.map(Ok)));
         Ok(http::Response::from_parts(parts, tonic::body::boxed(body)))
     }
 
     /// `step`'s output, the connection polled meanwhile: first, so that
-    /// what it reads is there when `step` is polled.
-    async fn driving<F: Future>(&mut self, step: F) -> Result<F::Output, String> {
+    /// what it reads is there when `step` is polled. Once the connection
+    /// has ended, a step that cannot complete fails with the reason it
+    /// ended (kept for the steps after the one it ended on).
+    async fn driving<F: Future>(&mut self, step: F) -> Result<F::Output, tonic::Status> {
         let mut step = std::pin::pin!(step);
         std::future::poll_fn(|cx| {
-            if !self.ended {
+            if self.ended.is_none() {
                 match std::pin::Pin::new(&mut self.conn).poll(cx) {
-                    Poll::Ready(Ok(())) => self.ended = true,
-                    Poll::Ready(Err(e)) => {
-                        self.ended = true;
-                        if let Poll::Ready(out) = step.as_mut().poll(cx) {
-                            return Poll::Ready(Ok(out));
-                        }
-                        return Poll::Ready(Err(chain(&e)));
+                    Poll::Ready(Ok(())) => {
+                        self.ended = Some("the node closed the connection".to_string())
                     }
+                    Poll::Ready(Err(e)) => self.ended = Some(chain(&e)),
                     Poll::Pending => {}
                 }
             }
             match step.as_mut().poll(cx) {
                 Poll::Ready(out) => Poll::Ready(Ok(out)),
-                Poll::Pending if self.ended => {
-                    Poll::Ready(Err("the node closed the connection".to_string()))
-                }
-                Poll::Pending => Poll::Pending,
+                Poll::Pending => match &self.ended {
+                    Some(why) => Poll::Ready(Err(tonic::Status::unavailable(why.clone()))),
+                    None => Poll::Pending,
+                },
             }
         })
         .await
@@ -323,7 +331,7 @@ async fn dial(
         conn: NodeConn(Arc::new(tokio::sync::Mutex::new(H2 {
             send,
             conn,
-            ended: false,
+            ended: None,
         }))),
         resumed,
     })
@@ -487,6 +495,78 @@ fn chain(e: &dyn std::error::Error) -> String {
 mod tests {
     use super::*;
     use std::time::{Duration, SystemTime};
+
+    /// An HTTP/2 client connection to a server on the far side of a pipe,
+    /// which answers the first request with `answer` and then keeps the
+    /// connection going until the client leaves.
+    async fn h2_against(
+        answer: impl FnOnce(
+                &mut h2::server::Connection<tokio::io::DuplexStream, Bytes>,
+                h2::server::SendResponse<Bytes>,
+            ) + Send
+            + 'static,
+    ) -> H2<tokio::io::DuplexStream> {
+        let (near, far) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let mut conn = h2::server::handshake(far).await.unwrap();
+            if let Some(Ok((_req, respond))) = conn.accept().await {
+                answer(&mut conn, respond);
+            }
+            while let Some(Ok(_)) = conn.accept().await {}
+        });
+        let (send, conn) = h2::client::handshake(near).await.unwrap();
+        H2 {
+            send,
+            conn,
+            ended: None,
+        }
+    }
+
+    async fn call(h2: &mut H2<tokio::io::DuplexStream>) -> tonic::Status {
+        let req = http::Request::post("http://node/lbscale.NodeApi/GetStats")
+            .body(())
+            .unwrap();
+        let r = h2.exchange(req, Bytes::from_static(b"request")).await;
+        r.expect_err("the call fails")
+    }
+
+    #[tokio::test]
+    async fn a_call_the_node_resets_is_refused_and_one_it_refuses_to_take_is_unavailable() {
+        let mut reset = h2_against(|_, mut r| r.send_reset(h2::Reason::INTERNAL_ERROR)).await;
+        let s = call(&mut reset).await;
+        assert_eq!(s.code(), tonic::Code::Internal, "{s:?}");
+        assert!(s.message().contains("the node reset the call"), "{s:?}");
+
+        // REFUSED_STREAM: the node did not process it, a new connection may.
+        let mut refused = h2_against(|_, mut r| r.send_reset(h2::Reason::REFUSED_STREAM)).await;
+        assert_eq!(call(&mut refused).await.code(), tonic::Code::Unavailable);
+
+        // The answer's head, then the connection ends with an error: no
+        // answer, worth a new connection.
+        let mut gone = h2_against(|conn, mut r| {
+            let _ = r.send_response(http::Response::new(()), false);
+            conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+        })
+        .await;
+        assert_eq!(call(&mut gone).await.code(), tonic::Code::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn why_the_connection_ended_is_kept_for_every_step_after() {
+        let mut h2 =
+            h2_against(|conn, _| conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM)).await;
+        let first = call(&mut h2).await;
+        assert_eq!(first.code(), tonic::Code::Unavailable);
+        // A step after the end fails with the same reason, not a generic one.
+        let next = h2
+            .driving(std::future::pending::<()>())
+            .await
+            .expect_err("the connection has ended");
+        assert_eq!(next.code(), tonic::Code::Unavailable);
+        assert!(h2.ended.is_some());
+        assert_eq!(next.message(), h2.ended.as_deref().unwrap());
+        assert_ne!(next.message(), "the node closed the connection", "{next:?}");
+    }
 
     #[test]
     fn engine_credentials_are_fresh_for_an_hour_by_both_clocks() {
