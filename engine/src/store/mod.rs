@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+mod census;
 mod events;
 mod leases;
 mod nodes;
