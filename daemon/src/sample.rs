@@ -137,16 +137,13 @@ pub(crate) async fn sample(
             // still count, as when each call was a task of its own.
             let call = std::panic::AssertUnwindSafe(stats_of(t, cached, token, creds, window))
                 .catch_unwind()
-                .map(|r| {
-                    r.unwrap_or_else(|_| {
-                        tracing::error!(node = %t.id, "the call for the node's statistics panicked");
-                        Err("the call panicked".to_string())
-                    })
-                });
+                .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
             async move {
                 let r = tokio::time::timeout(STATS_TIMEOUT, call)
                     .await
-                    .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())));
+                    .unwrap_or_else(|_| {
+                        Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
+                    });
                 (t, addr, r)
             }
         })
@@ -166,6 +163,18 @@ pub(crate) async fn sample(
     }
     drop(calls);
     Sampled { targets, answers }
+}
+
+/// A node's stats call that panicked: logged as the bug it is, with what it
+/// said, and counted as no answer.
+fn panicked(node: &str, panic: Box<dyn std::any::Any + Send>) -> String {
+    let said = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!(node, panic = %said, "a node's stats call panicked");
+    "the call panicked".to_string()
 }
 
 /// One target's statistics, over its kept connection when there is one.

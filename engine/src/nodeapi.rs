@@ -159,7 +159,8 @@ fn client_config(
 /// buffer task and no reconnect, unlike hyper's connection or tonic's
 /// channel, whose tasks and wakeups cost more than a sample's one call. A
 /// call that fails to reach the node is `Unavailable`, which [`NodeClient`]
-/// reports as unreachable.
+/// reports as unreachable; a call the node resets (any RST_STREAM but
+/// REFUSED_STREAM) is `Internal`, reported as a refusal ([`status_of`]).
 pub struct NodeConn(Arc<tokio::sync::Mutex<H2>>);
 
 type NodeIo = wire::Wire<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
@@ -175,9 +176,9 @@ struct H2<T = NodeIo> {
 
 /// What an HTTP/2 error of a call tells: the node reset this call's stream
 /// (it had the request: a new connection would hear the same, a refusal),
-/// or the connection failed or the node would not take the call
-/// (`REFUSED_STREAM`: not processed), which is Unavailable, worth a new
-/// connection.
+/// or the connection failed, the node would not take the call
+/// (`REFUSED_STREAM`: not processed) or h2 found its answer malformed, which
+/// is Unavailable, worth one new connection.
 fn status_of(e: &h2::Error) -> tonic::Status {
     let refused_stream = e.reason() == Some(h2::Reason::REFUSED_STREAM);
     if e.is_reset() && e.is_remote() && !refused_stream {
@@ -235,32 +236,45 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> H2<T> {
         // connection then fails at the answer, as Unavailable too.
         let ready = std::future::poll_fn(|cx| Poll::Ready(send.poll_ready(cx))).await;
         match ready {
-            Poll::Ready(r) => r.map_err(|e| status_of(&e))?,
+            Poll::Ready(r) => r.map_err(|e| self.failed(&e))?,
             Poll::Pending => self
                 .driving(std::future::poll_fn(|cx| send.poll_ready(cx)))
                 .await?
-                .map_err(|e| status_of(&e))?,
+                .map_err(|e| self.failed(&e))?,
         }
         let (answer, mut stream) = send
             .send_request(req, body.is_empty())
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| self.failed(&e))?;
         if !body.is_empty() {
-            stream.send_data(body, true).map_err(|e| status_of(&e))?;
+            stream.send_data(body, true).map_err(|e| self.failed(&e))?;
         }
-        let answer = self.driving(answer).await?.map_err(|e| status_of(&e))?;
+        let answer = self.driving(answer).await?.map_err(|e| self.failed(&e))?;
         let (parts, mut recv) = answer.into_parts();
         let mut data = bytes::BytesMut::new();
         while let Some(chunk) = self.driving(recv.data()).await? {
-            let chunk = chunk.map_err(|e| status_of(&e))?;
+            let chunk = chunk.map_err(|e| self.failed(&e))?;
             let _ = recv.flow_control().release_capacity(chunk.len());
             data.extend_from_slice(&chunk);
         }
         let trailers = self
             .driving(recv.trailers())
             .await?
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| self.failed(&e))?;
         let body = Full::new(data.freeze()).with_trailers(std::future::ready(trailers.map(Ok)));
         Ok(http::Response::from_parts(parts, tonic::body::boxed(body)))
+    }
+
+    /// A step's HTTP/2 error as a status ([`status_of`]), with why the
+    /// connection ended when it has: a stream's own error only says that
+    /// its connection went.
+    fn failed(&self, e: &h2::Error) -> tonic::Status {
+        let status = status_of(e);
+        match &self.ended {
+            Some(why) if !status.message().contains(why.as_str()) => {
+                tonic::Status::new(status.code(), format!("{}: {why}", status.message()))
+            }
+            _ => status,
+        }
     }
 
     /// `step`'s output, the connection polled meanwhile: first, so that
@@ -497,22 +511,28 @@ mod tests {
     use std::time::{Duration, SystemTime};
 
     /// An HTTP/2 client connection to a server on the far side of a pipe,
-    /// which answers the first request with `answer` and then keeps the
-    /// connection going until the client leaves.
+    /// which answers the first request with `answer`, then, with `end`,
+    /// ends the connection with that error once the answer has gone out,
+    /// and keeps its end of the pipe open until the test is over.
     async fn h2_against(
-        answer: impl FnOnce(
-                &mut h2::server::Connection<tokio::io::DuplexStream, Bytes>,
-                h2::server::SendResponse<Bytes>,
-            ) + Send
-            + 'static,
+        answer: impl FnOnce(&mut h2::server::SendResponse<Bytes>) + Send + 'static,
+        end: Option<h2::Reason>,
     ) -> H2<tokio::io::DuplexStream> {
         let (near, far) = tokio::io::duplex(1 << 16);
         tokio::spawn(async move {
             let mut conn = h2::server::handshake(far).await.unwrap();
-            if let Some(Ok((_req, respond))) = conn.accept().await {
-                answer(&mut conn, respond);
+            let Some(Ok((_req, mut respond))) = conn.accept().await else {
+                return;
+            };
+            answer(&mut respond);
+            // Polled for a moment: what `answer` queued goes out.
+            let _ = tokio::time::timeout(Duration::from_millis(100), conn.accept()).await;
+            if let Some(reason) = end {
+                conn.abrupt_shutdown(reason);
             }
             while let Some(Ok(_)) = conn.accept().await {}
+            std::future::pending::<()>().await;
+            drop((conn, respond));
         });
         let (send, conn) = h2::client::handshake(near).await.unwrap();
         H2 {
@@ -530,42 +550,48 @@ mod tests {
         r.expect_err("the call fails")
     }
 
-    #[tokio::test]
-    async fn a_call_the_node_resets_is_refused_and_one_it_refuses_to_take_is_unavailable() {
-        let mut reset = h2_against(|_, mut r| r.send_reset(h2::Reason::INTERNAL_ERROR)).await;
-        let s = call(&mut reset).await;
-        assert_eq!(s.code(), tonic::Code::Internal, "{s:?}");
-        assert!(s.message().contains("the node reset the call"), "{s:?}");
-
-        // REFUSED_STREAM: the node did not process it, a new connection may.
-        let mut refused = h2_against(|_, mut r| r.send_reset(h2::Reason::REFUSED_STREAM)).await;
-        assert_eq!(call(&mut refused).await.code(), tonic::Code::Unavailable);
-
-        // The answer's head, then the connection ends with an error: no
-        // answer, worth a new connection.
-        let mut gone = h2_against(|conn, mut r| {
-            let _ = r.send_response(http::Response::new(()), false);
-            conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
-        })
-        .await;
-        assert_eq!(call(&mut gone).await.code(), tonic::Code::Unavailable);
+    fn head(r: &mut h2::server::SendResponse<Bytes>) {
+        r.send_response(http::Response::new(()), false).unwrap();
     }
 
     #[tokio::test]
-    async fn why_the_connection_ended_is_kept_for_every_step_after() {
-        let mut h2 =
-            h2_against(|conn, _| conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM)).await;
+    async fn a_call_the_node_resets_is_refused_and_one_it_refuses_to_take_is_unavailable() {
+        let reset =
+            |r: &mut h2::server::SendResponse<Bytes>| r.send_reset(h2::Reason::INTERNAL_ERROR);
+        let s = call(&mut h2_against(reset, None).await).await;
+        assert_eq!(s.code(), tonic::Code::Internal, "{s:?}");
+        assert!(s.message().contains("the node reset the call"), "{s:?}");
+
+        // Reset after the answer's head, while its body is read: the same.
+        let later = |r: &mut h2::server::SendResponse<Bytes>| {
+            let mut body = r.send_response(http::Response::new(()), false).unwrap();
+            body.send_reset(h2::Reason::INTERNAL_ERROR);
+        };
+        let s = call(&mut h2_against(later, None).await).await;
+        assert_eq!(s.code(), tonic::Code::Internal, "{s:?}");
+
+        // REFUSED_STREAM: the node did not process it, a new connection may.
+        let refused =
+            |r: &mut h2::server::SendResponse<Bytes>| r.send_reset(h2::Reason::REFUSED_STREAM);
+        let s = call(&mut h2_against(refused, None).await).await;
+        assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_ends_mid_answer_is_unavailable_and_says_why_at_every_step() {
+        let mut h2 = h2_against(head, Some(h2::Reason::ENHANCE_YOUR_CALM)).await;
         let first = call(&mut h2).await;
-        assert_eq!(first.code(), tonic::Code::Unavailable);
+        assert_eq!(first.code(), tonic::Code::Unavailable, "{first:?}");
+        let why = h2.ended.clone().expect("the connection has ended");
+        assert!(why.contains("excessive load"), "{why}");
+        assert!(first.message().contains("excessive load"), "{first:?}");
         // A step after the end fails with the same reason, not a generic one.
         let next = h2
             .driving(std::future::pending::<()>())
             .await
             .expect_err("the connection has ended");
         assert_eq!(next.code(), tonic::Code::Unavailable);
-        assert!(h2.ended.is_some());
-        assert_eq!(next.message(), h2.ended.as_deref().unwrap());
-        assert_ne!(next.message(), "the node closed the connection", "{next:?}");
+        assert_eq!(next.message(), why);
     }
 
     #[test]
