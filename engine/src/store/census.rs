@@ -25,10 +25,10 @@ impl Store {
         self.with(|c| c.int(&format!("SELECT count(*) FROM {table}"), &[]))
     }
 
-    /// Counts rows that mention the id anywhere (used by tests to prove a clean destroy).
+    /// Counts rows that mention the id anywhere (used by tests to prove a
+    /// clean destroy), in one statement.
     pub fn rows_mentioning(&self, id: &str) -> Result<i64> {
-        let mut total = 0;
-        for (table, col) in [
+        let mut counts: Vec<String> = [
             ("distributors", "id"),
             ("groups", "id"),
             ("groups", "distributor_id"),
@@ -42,22 +42,14 @@ impl Store {
             ("leases", "group_id"),
             ("policy_state", "group_id"),
             ("addresses", "owner"),
-        ] {
-            total += self.with(|c| {
-                c.int(
-                    &format!("SELECT count(*) FROM {table} WHERE {col} = ?1"),
-                    vals![id],
-                )
-            })?;
-        }
+        ]
+        .iter()
+        .map(|(table, col)| format!("(SELECT count(*) FROM {table} WHERE {col} = ?1)"))
+        .collect();
         // A daemon's claim on a group is a lease keyed `daemon/<group>`, its AZ
         // workflows' leases `<group>/az/<az>`.
-        total += self.with(|c| {
-            c.int(
-                "SELECT count(*) FROM leases WHERE group_id = ?1 OR group_id LIKE ?2",
-                vals![daemon_claim_key(id), az_lease_key(id, "%")],
-            )
-        })?;
-        Ok(total)
+        counts.push("(SELECT count(*) FROM leases WHERE group_id = ?2 OR group_id LIKE ?3)".into());
+        let sql = format!("SELECT {}", counts.join(" + "));
+        self.with(|c| c.int(&sql, vals![id, daemon_claim_key(id), az_lease_key(id, "%")]))
     }
 }
