@@ -38,9 +38,10 @@ use lbscale_engine::cloud::{
 use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
 };
-use lbscale_engine::nodeapi::auth::{node_name, node_token, GroupCa};
+use lbscale_engine::nodeapi::auth::{bearer, node_name, GroupCa};
 use lbscale_engine::store::{now_ms, NodeRow, NodeState, Store};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
+use lbscale_proto::stats_http;
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest, AUTH_HEADER,
 };
@@ -278,7 +279,7 @@ fn load(store: &Store, fleet: &RwLock<Fleet>, cas: &mut HashMap<String, Arc<Grou
             }
         };
         let node = SimNode {
-            bearer: Arc::new(format!("Bearer {}", node_token(&secret, &id)).into_bytes()),
+            bearer: Arc::new(bearer(&secret, &id).into_bytes()),
             hot: group_index(&group).is_some_and(|i| i < hot),
             tls: Arc::default(),
             ca,
@@ -321,7 +322,7 @@ fn server_config(node: &SimNode) -> Arc<rustls::ServerConfig> {
             PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
         )
         .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.alpn_protocols = vec![stats_http::ALPN.to_vec(), b"h2".to_vec()];
     // As a real node (node/src/api_tls.rs): one session ticket per handshake.
     config.send_tls13_tickets = 1;
     let config = Arc::new(config);
@@ -380,19 +381,37 @@ impl NodeApi for SimApi {
 
     async fn get_stats(&self, req: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let node = self.node(&req)?;
-        let window_ms = req.into_inner().window_ms;
-        Ok(Response::new(NodeStats {
-            node_id: node.id.clone(),
-            state: "active".into(),
-            cpu_percent: if node.hot { 95.0 } else { 50.0 },
-            memory_percent: 30.0,
-            throughput_mbps: 1.0,
-            window_ms,
-            stats_source: "instance".into(),
-            uptime_ms: 3_600_000,
-            ..Default::default()
-        }))
+        Ok(Response::new(stats_of(&node, req.into_inner().window_ms)))
     }
+}
+
+/// What a simulated node reports: hot or not, nothing else changes.
+fn stats_of(node: &SimNode, window_ms: u64) -> NodeStats {
+    NodeStats {
+        node_id: node.id.clone(),
+        state: "active".into(),
+        cpu_percent: if node.hot { 95.0 } else { 50.0 },
+        memory_percent: 30.0,
+        throughput_mbps: 1.0,
+        window_ms,
+        stats_source: "instance".into(),
+        uptime_ms: 3_600_000,
+        ..Default::default()
+    }
+}
+
+/// The statistics call over HTTP/1.1 for `node`, as a real node serves it.
+async fn serve_stats(node: SimNode, tls: TlsConn) {
+    let _ = stats_http::serve(tls, Duration::from_secs(15 * 60), |asked| {
+        let node = &node;
+        async move {
+            if asked.authorization.as_deref() != Some(node.bearer.as_slice()) {
+                return stats_http::Reply::Refused(401, "missing or invalid bearer token".into());
+            }
+            stats_http::Reply::Stats(stats_of(node, asked.window.as_millis() as u64))
+        }
+    })
+    .await;
 }
 
 type TlsConn = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
@@ -458,7 +477,11 @@ async fn nodes(url: &str, base: PathBuf, port: u16, hot: usize) {
                 if let Ok(Ok(tls)) =
                     tokio::time::timeout(Duration::from_secs(10), start.into_stream(config)).await
                 {
-                    let _ = tx.send(Ok(tls)).await;
+                    if tls.get_ref().1.alpn_protocol() == Some(stats_http::ALPN) {
+                        serve_stats(node, tls).await;
+                    } else {
+                        let _ = tx.send(Ok(tls)).await;
+                    }
                 }
             });
         }

@@ -677,15 +677,23 @@ async fn observe(
                     .map_err(|e| EvalError::new("issue the engine's node API certificate", e))?,
             );
             rt.credentials = Some(c.clone());
-            // Kept connections (short intervals) were made with the old
-            // credentials and would go on resuming with them: dial again.
+            // Kept connections were made with the old credentials and would
+            // go on resuming with them: dial again.
             rt.clients.clear();
             c
         }
     };
     let targets = sample::targets(&snap.view, &snap.rows);
     let window = interval_of(&row.spec);
-    let sampled = sample::sample(&mut rt.clients, targets, token, &creds, window).await;
+    let sampled = sample::sample(
+        &mut rt.clients,
+        &shared.keeping,
+        targets,
+        token,
+        &creds,
+        window,
+    )
+    .await;
     let spans = shared.engine.vserver_spans_in(&snap);
     Ok(Seen {
         view: snap.view,

@@ -169,7 +169,11 @@ fn route(method: &str, target: &str, shared: &Shared) -> (u16, &'static str, Str
     }
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     match path {
-        "/metrics" => (200, PROM, shared.metrics.render()),
+        "/metrics" => (
+            200,
+            PROM,
+            shared.metrics.render() + &shared.keeping.render(),
+        ),
         "/v1/groups" => {
             let groups = shared.status_snapshot();
             (200, JSON, json!({ "groups": groups }).to_string())

@@ -119,6 +119,8 @@ pub struct Shared {
     /// it, as the loop last read them: this daemon's share is their quotient.
     daemons: AtomicUsize,
     groups: AtomicUsize,
+    /// The node connections kept between samples, across the groups.
+    pub(crate) keeping: Arc<sample::Keeping>,
 }
 
 impl Shared {
@@ -270,12 +272,14 @@ pub async fn run_with_clouds(
         claims: claims::Claims::default(),
         daemons: AtomicUsize::new(1),
         groups: AtomicUsize::new(0),
+        keeping: sample::Keeping::from_descriptor_limit(),
     });
     let mut announced: Option<std::time::Instant> = None;
     tracing::info!(
         listen = %cfg.listen,
         store = %shared.engine.store_location(),
         holder = %holder,
+        kept_node_connections = shared.keeping.limit(),
         "lbscale daemon started"
     );
     let http = tokio::spawn(http::serve(listener, shared.clone()));

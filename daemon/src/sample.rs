@@ -3,11 +3,13 @@
 use crate::metrics::{RampingService, SampleOut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
-use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError, NodeClient};
+use lbscale_engine::nodeapi::stats::StatsClient;
+use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,17 +17,101 @@ use std::time::Duration;
 const DEFAULT_API_PORT: u16 = 9990;
 /// Longest wait for one node's statistics (connect + call).
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
-/// Connections are kept between samples up to this stats interval. A kept
-/// connection costs a descriptor and tens of KiB for the whole interval, a new
-/// one a TLS handshake per sample: at 60 s, 60,000 nodes would hold 60,000
-/// descriptors (more than a process may have) and gigabytes, against 1,000
-/// handshakes a second.
-const KEEP_CONNECTIONS_UP_TO: Duration = Duration::from_secs(15);
+/// A gRPC connection (to a node that does not offer the statistics call over
+/// HTTP/1.1, an older `lbscale-node`) is kept between samples up to this
+/// stats interval only: it holds tens of KiB while idle.
+const KEEP_GRPC_UP_TO: Duration = Duration::from_secs(15);
+/// Descriptors left to the rest of the daemon when it keeps node
+/// connections: the store's connections, its listener, and the connections
+/// of the evaluations in flight that could not be kept.
+const DESCRIPTORS_RESERVED: usize = 2048;
 
-/// A connection to one node's management API, kept between evaluations.
+/// The node connections the daemon keeps between samples, across its groups.
+/// Each holds a descriptor and its TLS session (a few KiB); a node whose
+/// connection is kept costs a write and a read per sample instead of a TCP
+/// connection and a TLS handshake. Past the limit, new connections are
+/// closed after their sample.
+pub(crate) struct Keeping {
+    limit: usize,
+    kept: AtomicUsize,
+}
+
+/// One kept connection's place in [`Keeping`], given back when dropped.
+pub(crate) struct Kept(Arc<Keeping>);
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.0.kept.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Keeping {
+    pub(crate) fn new(limit: usize) -> Arc<Keeping> {
+        Arc::new(Keeping {
+            limit,
+            kept: AtomicUsize::new(0),
+        })
+    }
+
+    /// As many as the process's descriptors allow, less
+    /// [`DESCRIPTORS_RESERVED`], once its soft limit is raised to its hard one.
+    pub(crate) fn from_descriptor_limit() -> Arc<Keeping> {
+        Keeping::new(open_files_limit().saturating_sub(DESCRIPTORS_RESERVED))
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Its two gauges in the Prometheus text exposition.
+    pub(crate) fn render(&self) -> String {
+        format!(
+            "# HELP lbscale_node_connections_kept Node connections kept between samples.\n# TYPE lbscale_node_connections_kept gauge\nlbscale_node_connections_kept {}\n# HELP lbscale_node_connections_kept_limit The most node connections the daemon keeps (its descriptor limit less a reserve).\n# TYPE lbscale_node_connections_kept_limit gauge\nlbscale_node_connections_kept_limit {}\n",
+            self.kept.load(Ordering::Relaxed),
+            self.limit
+        )
+    }
+
+    fn take(self: &Arc<Self>) -> Option<Kept> {
+        self.kept
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Kept(self.clone()))
+    }
+}
+
+/// The soft limit on open files, first raised to the hard one (the default
+/// soft limit, often 1,024, would keep almost nothing).
+fn open_files_limit() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the struct they are given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return 1024;
+        }
+        if r.rlim_max > r.rlim_cur {
+            let raised = libc::rlimit {
+                rlim_cur: r.rlim_max,
+                rlim_max: r.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r = raised;
+            }
+        }
+    }
+    usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
+}
+
+/// A connection to one node's statistics, kept between evaluations.
 pub(crate) struct CachedClient {
     addr: String,
-    client: NodeClient,
+    client: StatsClient,
+    _kept: Kept,
 }
 
 /// One node as the daemon samples it.
@@ -112,11 +198,12 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// Asks every target for its statistics, concurrently, each bounded by
 /// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
 /// `window` (the group's stats interval). Connections are kept for the next
-/// evaluation when it comes soon ([`KEEP_CONNECTIONS_UP_TO`]). New
-/// connections show the group's engine credentials `creds` (kept by the
+/// evaluation while `keeping` has room ([`KEEP_GRPC_UP_TO`] for gRPC ones).
+/// New connections show the group's engine credentials `creds` (kept by the
 /// group's runtime, not issued per connection).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
+    keeping: &Arc<Keeping>,
     targets: Vec<Target>,
     token: &str,
     creds: &Arc<EngineCredentials>,
@@ -148,13 +235,26 @@ pub(crate) async fn sample(
             }
         })
         .collect();
-    let keep = window <= KEEP_CONNECTIONS_UP_TO;
     let mut answers = HashMap::new();
     while let Some((t, addr, r)) = calls.next().await {
         match r {
-            Ok((client, stats)) => {
-                if keep {
-                    clients.insert(t.id.clone(), CachedClient { addr, client });
+            Ok((client, kept, stats)) => {
+                let keep = client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO);
+                // A connection not kept gives its place back (`kept` dropped).
+                let place = if keep {
+                    kept.or_else(|| keeping.take())
+                } else {
+                    None
+                };
+                if let Some(_kept) = place {
+                    clients.insert(
+                        t.id.clone(),
+                        CachedClient {
+                            addr,
+                            client,
+                            _kept,
+                        },
+                    );
                 }
                 answers.insert(t.id.clone(), stats);
             }
@@ -177,28 +277,74 @@ fn panicked(node: &str, panic: Box<dyn std::any::Any + Send>) -> String {
     "the call panicked".to_string()
 }
 
-/// One target's statistics, over its kept connection when there is one.
+/// One target's statistics, over its kept connection when there is one (and
+/// that connection's place in [`Keeping`]).
 async fn stats_of(
     t: &Target,
     cached: Option<CachedClient>,
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(NodeClient, NodeStats), String> {
+) -> Result<(StatsClient, Option<Kept>, NodeStats), String> {
+    let mut kept = None;
     if let Some(c) = cached {
         let mut client = c.client;
         match client.stats_over(window).await {
-            Ok(stats) => return Ok((client, stats)),
-            // The kept connection ended (the node restarted, say): a new
-            // one, within the same timeout.
-            Err(NodeApiError::Unreachable { .. }) => {}
+            Ok(stats) => return Ok((client, Some(c._kept), stats)),
+            // The kept connection ended (the node restarted, or closed it
+            // while idle): a new one, within the same timeout, in its place.
+            Err(NodeApiError::Unreachable { .. }) => kept = Some(c._kept),
             // The node answered: a new connection would hear the same.
             Err(e) => return Err(e.to_string()),
         }
     }
-    let mut client = NodeClient::connect_with(creds, &t.ip, t.port, &t.id, token)
+    let mut client = StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
         .await
         .map_err(|e| e.to_string())?;
     let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
-    Ok((client, stats))
+    Ok((client, kept, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeping_gives_places_up_to_its_limit_and_takes_them_back_when_dropped() {
+        let keeping = Keeping::new(2);
+        let a = keeping.take().expect("a first place");
+        let b = keeping.take().expect("a second place");
+        assert!(keeping.take().is_none(), "past the limit");
+        assert!(keeping
+            .render()
+            .contains("lbscale_node_connections_kept 2\n"));
+        drop(a);
+        let c = keeping.take().expect("the place given back");
+        drop((b, c));
+        assert!(keeping
+            .render()
+            .contains("lbscale_node_connections_kept 0\n"));
+        assert!(keeping
+            .render()
+            .contains("lbscale_node_connections_kept_limit 2\n"));
+    }
+
+    #[test]
+    fn the_descriptor_limit_leaves_a_reserve() {
+        let k = Keeping::from_descriptor_limit();
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes into the struct it is given.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+        assert_eq!(
+            r.rlim_cur, r.rlim_max,
+            "the soft limit was raised to the hard one"
+        );
+        assert_eq!(
+            k.limit(),
+            (r.rlim_cur as usize).saturating_sub(DESCRIPTORS_RESERVED)
+        );
+    }
 }

@@ -2,7 +2,7 @@
 
 use http_body_util::{BodyExt, Full};
 use lbscale_proto::node_api_client::NodeApiClient;
-use lbscale_proto::{DrainRequest, NodeConfig, StatsRequest};
+use lbscale_proto::{stats_http, DrainRequest, NodeConfig, StatsRequest};
 /// What a node reports (re-exported for the daemon, the CLI and the tests).
 pub use lbscale_proto::{ForwardStats, NodeStats, ServiceStats};
 use rustls::pki_types::pem::PemObject;
@@ -19,6 +19,7 @@ use tonic::service::interceptor::InterceptedService;
 
 pub mod auth;
 mod sessions;
+pub mod stats;
 mod wire;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -77,6 +78,9 @@ pub struct NodeClient {
 /// certificates again. `Debug` leaves the key out.
 pub struct EngineCredentials {
     tls: Arc<rustls::ClientConfig>,
+    /// The same, asking for the statistics call over HTTP/1.1 first
+    /// ([`stats::StatsClient`]); the two share the session tickets.
+    stats_tls: Arc<rustls::ClientConfig>,
     issued: std::time::Instant,
     issued_at: std::time::SystemTime,
 }
@@ -95,8 +99,12 @@ impl EngineCredentials {
     pub fn issue(group_secret: &str) -> Result<EngineCredentials, String> {
         let ca = auth::GroupCa::derive(group_secret)?;
         let (cert_pem, key_pem) = ca.issue_engine()?;
+        let tls = client_config(&ca.cert_pem(), &cert_pem, &key_pem)?;
+        let mut stats_tls = tls.clone();
+        stats_tls.alpn_protocols = vec![stats_http::ALPN.to_vec(), b"h2".to_vec()];
         Ok(EngineCredentials {
-            tls: Arc::new(client_config(&ca.cert_pem(), &cert_pem, &key_pem)?),
+            tls: Arc::new(tls),
+            stats_tls: Arc::new(stats_tls),
             issued: std::time::Instant::now(),
             issued_at: std::time::SystemTime::now(),
         })
@@ -305,50 +313,51 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> H2<T> {
     }
 }
 
-/// A connection dialled by [`dial`].
-struct Dialled {
-    conn: NodeConn,
-    resumed: bool,
+type NodeTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// Dials one node: TCP to its address, then TLS with the group's client
+/// configuration `tls` for the node's certificate name, within
+/// [`CONNECT_TIMEOUT`]. The socket, with zero linger, is reset rather than
+/// left in TIME_WAIT when it is dropped: the daemon may open a connection
+/// per node at every sample.
+async fn dial_tls(
+    tls: Arc<rustls::ClientConfig>,
+    ip: &str,
+    port: u16,
+    node_id: &str,
+) -> Result<(String, NodeTls), NodeApiError> {
+    let addr = format!("{ip}:{port}");
+    let unreachable = |detail: String| NodeApiError::Unreachable {
+        addr: addr.clone(),
+        detail,
+    };
+    let name = ServerName::try_from(auth::node_name(node_id))
+        .map_err(|e| unreachable(format!("node name: {e}")))?;
+    let dial = async {
+        let tcp = tokio::net::TcpStream::connect(&addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+        tcp.set_zero_linger().map_err(|e| e.to_string())?;
+        tokio_rustls::TlsConnector::from(tls)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| chain(&e))
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, dial).await {
+        Ok(Ok(s)) => Ok((addr, s)),
+        Ok(Err(e)) => Err(unreachable(format!(
+            "{e} (expected node {node_id}'s certificate)"
+        ))),
+        Err(_) => Err(unreachable(format!(
+            "no connection within {} s",
+            CONNECT_TIMEOUT.as_secs()
+        ))),
+    }
 }
 
-/// Dials one node: TCP to its address, TLS with the group's client
-/// configuration for the node's certificate name, then HTTP/2.
-///
-/// HTTP/2 writes through a [`wire::Wire`], a flight at a time. Nothing is
-/// written once the client is dropped (it has its answers, or gave up on
-/// them): it drops the connection with it, and the socket, with zero
-/// linger, is then reset rather than left in TIME_WAIT, for a connection
-/// the daemon opens per node at every sample.
-async fn dial(
-    addr: &str,
-    tls: Arc<rustls::ClientConfig>,
-    name: ServerName<'static>,
-) -> Result<Dialled, String> {
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| e.to_string())?;
-    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-    tcp.set_zero_linger().map_err(|e| e.to_string())?;
-    let tls = tokio_rustls::TlsConnector::from(tls)
-        .connect(name, tcp)
-        .await
-        .map_err(|e| chain(&e))?;
-    let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
-    // The preface and SETTINGS are only gathered here: they go out with the
-    // first request.
-    let (send, conn) = h2::client::Builder::new()
-        .enable_push(false)
-        .handshake(wire::Wire::new(tls))
-        .await
-        .map_err(|e| chain(&e))?;
-    Ok(Dialled {
-        conn: NodeConn(Arc::new(tokio::sync::Mutex::new(H2 {
-            send,
-            conn,
-            ended: None,
-        }))),
-        resumed,
-    })
+fn resumed(tls: &NodeTls) -> bool {
+    tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed)
 }
 
 impl NodeClient {
@@ -377,44 +386,50 @@ impl NodeClient {
         node_id: &str,
         group_secret: &str,
     ) -> Result<NodeClient, NodeApiError> {
-        let addr = format!("{ip}:{port}");
+        let (addr, tls) = dial_tls(creds.tls.clone(), ip, port, node_id).await?;
+        NodeClient::over(addr, tls, node_id, group_secret).await
+    }
+
+    /// A client over `tls`, a connection to `addr` that chose HTTP/2. The
+    /// preface and SETTINGS are only gathered here: they go out with the
+    /// first request. HTTP/2 writes through a [`wire::Wire`], a flight at a
+    /// time, and nothing is written once the client is dropped.
+    async fn over(
+        addr: String,
+        tls: NodeTls,
+        node_id: &str,
+        group_secret: &str,
+    ) -> Result<NodeClient, NodeApiError> {
         let unreachable = |detail: String| NodeApiError::Unreachable {
             addr: addr.clone(),
             detail,
         };
-        let name = ServerName::try_from(auth::node_name(node_id))
-            .map_err(|e| unreachable(format!("node name: {e}")))?;
         // `http`: the connection is TLS already; the origin names the node.
         let origin: Uri = format!("http://{addr}")
             .parse()
             .map_err(|e: http::uri::InvalidUri| unreachable(e.to_string()))?;
-        let dialled =
-            match tokio::time::timeout(CONNECT_TIMEOUT, dial(&addr, creds.tls.clone(), name)).await
-            {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    return Err(unreachable(format!(
-                        "{e} (expected node {node_id}'s certificate)"
-                    )))
-                }
-                Err(_) => {
-                    return Err(unreachable(format!(
-                        "no connection within {} s",
-                        CONNECT_TIMEOUT.as_secs()
-                    )))
-                }
-            };
+        let resumed = resumed(&tls);
+        let (send, conn) = h2::client::Builder::new()
+            .enable_push(false)
+            .handshake(wire::Wire::new(tls))
+            .await
+            .map_err(|e| unreachable(chain(&e)))?;
+        let conn = NodeConn(Arc::new(tokio::sync::Mutex::new(H2 {
+            send,
+            conn,
+            ended: None,
+        })));
         // The token is hex, so it is always valid ASCII metadata; never log it.
-        let value: MetadataValue<_> = format!("Bearer {}", auth::node_token(group_secret, node_id))
+        let value: MetadataValue<_> = auth::bearer(group_secret, node_id)
             .parse()
             .map_err(|_| unreachable("token is not printable ASCII".into()))?;
         Ok(NodeClient {
             inner: NodeApiClient::with_origin(
-                InterceptedService::new(dialled.conn, BearerToken(value)),
+                InterceptedService::new(conn, BearerToken(value)),
                 origin,
             ),
             addr,
-            resumed: dialled.resumed,
+            resumed,
         })
     }
 

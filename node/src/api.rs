@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lbscale_proto::node_api_server::NodeApi;
+use lbscale_proto::stats_http;
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest, AUTH_HEADER,
 };
@@ -21,13 +22,20 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 type ApiStream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
 
+/// How long a statistics connection (HTTP/1.1) may stay idle between
+/// requests: the daemon asks at every stats interval and keeps it between.
+const STATS_IDLE: Duration = Duration::from_secs(15 * 60);
+
 /// The management API's connections, TLS done. An accept error (no descriptor
 /// left) is logged and waited out, and a failed or stalled handshake ends that
 /// connection only: the API never stops listening, where tonic's own listener
-/// ends the server on either.
+/// ends the server on either. A connection that chose HTTP/1.1 (ALPN) is the
+/// statistics call's ([`lbscale_proto::stats_http`]) and is served here by
+/// `stats`; the others are gRPC's.
 pub fn incoming(
     listener: tokio::net::TcpListener,
     tls: rustls::ServerConfig,
+    stats: StatsCall,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<ApiStream>> {
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
     let (tx, rx) = tokio::sync::mpsc::channel(64);
@@ -36,9 +44,14 @@ pub fn incoming(
         loop {
             let (s, peer) = accept(&listener, &mut backoff, "api").await;
             let _ = s.set_nodelay(true);
-            let (acceptor, conns) = (acceptor.clone(), tx.clone());
+            let (acceptor, conns, stats) = (acceptor.clone(), tx.clone(), stats.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(s)).await {
+                    Ok(Ok(s)) if s.get_ref().1.alpn_protocol() == Some(stats_http::ALPN) => {
+                        if let Err(e) = stats.serve(s).await {
+                            tracing::debug!(%peer, error = %e, "api: statistics connection ended");
+                        }
+                    }
                     Ok(Ok(s)) => {
                         let _ = conns.send(Ok(s)).await;
                     }
@@ -54,6 +67,50 @@ pub fn incoming(
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// The statistics call over HTTP/1.1, under the same checks as gRPC's
+/// ([`interceptor`]): made to the node's private address, with its token.
+#[derive(Clone)]
+pub struct StatsCall {
+    pub node: Arc<Node>,
+    pub expected: ExpectedToken,
+    pub address: IpAddr,
+}
+
+impl StatsCall {
+    async fn serve(self, s: ApiStream) -> std::io::Result<()> {
+        let local = s.get_ref().0.local_addr().ok();
+        stats_http::serve(s, STATS_IDLE, move |asked| {
+            let call = self.clone();
+            async move {
+                if let Err(why) = made_to(local, call.address) {
+                    return stats_http::Reply::Refused(403, why);
+                }
+                let ok = asked
+                    .authorization
+                    .is_some_and(|v| call.expected.accepts(&v));
+                if !ok {
+                    return stats_http::Reply::Refused(401, NO_TOKEN.into());
+                }
+                stats_http::Reply::Stats(call.node.stats(asked.window).await)
+            }
+        })
+        .await
+    }
+}
+
+const NO_TOKEN: &str = "missing or invalid bearer token";
+
+/// Whether a call came in at `local`, the node's private `address`.
+fn made_to(local: Option<std::net::SocketAddr>, address: IpAddr) -> Result<(), String> {
+    match local {
+        Some(a) if a.ip() == address => Ok(()),
+        to => Err(format!(
+            "this node's API answers calls made to its private address {address} only, not to {}",
+            to.map_or("an unknown address".into(), |a| a.ip().to_string())
+        )),
+    }
 }
 
 pub struct Api {
@@ -152,15 +209,7 @@ pub fn interceptor(
     address: IpAddr,
 ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Send + Sync + Clone + 'static {
     move |req: Request<()>| {
-        match req.local_addr() {
-            Some(a) if a.ip() == address => {}
-            to => {
-                return Err(Status::permission_denied(format!(
-                    "this node's API answers calls made to its private address {address} only, not to {}",
-                    to.map_or("an unknown address".into(), |a| a.ip().to_string())
-                )))
-            }
-        }
+        made_to(req.local_addr(), address).map_err(Status::permission_denied)?;
         let ok = req
             .metadata()
             .get(AUTH_HEADER)
@@ -169,7 +218,7 @@ pub fn interceptor(
         if ok {
             Ok(req)
         } else {
-            Err(Status::unauthenticated("missing or invalid bearer token"))
+            Err(Status::unauthenticated(NO_TOKEN))
         }
     }
 }

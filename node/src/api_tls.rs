@@ -30,8 +30,9 @@ pub fn server_config(ca: &Path, cert: &Path, key: &Path) -> anyhow::Result<rustl
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs(cert, "--tls-cert")?, key)
         .map_err(|e| anyhow!("--tls-cert {} and --tls-key: {e}", cert.display()))?;
-    // gRPC is HTTP/2.
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    // gRPC is HTTP/2; the statistics call also has HTTP/1.1, which a
+    // client gets only by asking for it (the node's order comes first).
+    config.alpn_protocols = vec![lbscale_proto::stats_http::ALPN.to_vec(), b"h2".to_vec()];
     // The engine resumes with the newest ticket per node and asks again at
     // every connection: one ticket per handshake is all it uses, and each
     // one takes a place in the session cache (rustls's, 256 sessions).

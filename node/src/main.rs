@@ -288,7 +288,12 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let incoming = api::incoming(listener, tls);
+    let stats = api::StatsCall {
+        node: node.clone(),
+        expected: token.clone(),
+        address: api_address,
+    };
+    let incoming = api::incoming(listener, tls, stats);
     let svc = lbscale_proto::node_api_server::NodeApiServer::with_interceptor(
         api::Api { node: node.clone() },
         api::interceptor(token, api_address),

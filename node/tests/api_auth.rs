@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use lbscale_engine::nodeapi::auth::{self, GroupCa};
+use lbscale_engine::nodeapi::stats::StatsClient;
 use lbscale_engine::nodeapi::{EngineCredentials, NodeClient};
 use lbscale_proto::StatsRequest;
 
@@ -265,4 +266,150 @@ async fn a_second_connection_resumes_the_session_and_still_checks_name_and_token
         after.stats().await.expect("stats after restart").node_id,
         NODE
     );
+}
+
+/// The daemon's statistics call goes over HTTP/1.1 to a node that offers it:
+/// one connection answers sample after sample, a resumed session still
+/// needs the node's token, and a call made to another address of the node
+/// is refused with the address it answers at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_statistics_call_over_http1_keeps_its_connection_under_the_same_checks() {
+    const NODE: &str = "web-az1-1-5555";
+    let port = std::net::TcpListener::bind("0.0.0.0:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _node = start(
+        "stats-http1",
+        NODE,
+        "0.0.0.0",
+        port,
+        &["--api-address", "127.77.20.8"],
+    );
+    let creds = EngineCredentials::issue(SECRET).unwrap();
+    let mut c = StatsClient::connect(&creds, "127.77.20.8", port, NODE, SECRET)
+        .await
+        .expect("a statistics connection");
+    assert!(c.lean(), "the node offers HTTP/1.1 for its statistics");
+    for _ in 0..3 {
+        let s = c.stats_over(Duration::from_secs(60)).await.expect("stats");
+        assert_eq!(s.node_id, NODE);
+        assert!(c.reusable(), "the node keeps the connection");
+    }
+
+    // Resumed, with another group's token for this node: refused, and the
+    // connection stays good for the next call.
+    let mut wrong = StatsClient::connect(&creds, "127.77.20.8", port, NODE, &"f".repeat(64))
+        .await
+        .expect("a second connection");
+    assert!(wrong.resumed_session(), "the second connection resumed");
+    let e = wrong
+        .stats_over(Duration::ZERO)
+        .await
+        .expect_err("a wrong token");
+    assert!(
+        e.to_string().contains("HTTP 401") && e.to_string().contains("bearer token"),
+        "{e}"
+    );
+    assert!(wrong.reusable());
+
+    let mut other = StatsClient::connect(&creds, "127.77.20.9", port, NODE, SECRET)
+        .await
+        .expect("a connection to another address of the node");
+    let e = other
+        .stats_over(Duration::ZERO)
+        .await
+        .expect_err("another address");
+    assert!(
+        e.to_string().contains("HTTP 403") && e.to_string().contains("127.77.20.8"),
+        "{e}"
+    );
+}
+
+/// A node that offers only gRPC (an `lbscale-node` from before the
+/// statistics call had HTTP/1.1) still answers the daemon's statistics
+/// client, over HTTP/2; such a connection is not the lean kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_offers_only_grpc_is_asked_over_http2() {
+    use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
+    use lbscale_proto::{ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use std::sync::Arc;
+
+    struct GrpcOnly;
+    #[tonic::async_trait]
+    impl NodeApi for GrpcOnly {
+        async fn configure(
+            &self,
+            _: tonic::Request<NodeConfig>,
+        ) -> Result<tonic::Response<ConfigureReply>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+        async fn drain(
+            &self,
+            _: tonic::Request<DrainRequest>,
+        ) -> Result<tonic::Response<DrainReply>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not here"))
+        }
+        async fn get_stats(
+            &self,
+            req: tonic::Request<StatsRequest>,
+        ) -> Result<tonic::Response<NodeStats>, tonic::Status> {
+            Ok(tonic::Response::new(NodeStats {
+                node_id: "grpc-only".into(),
+                window_ms: req.into_inner().window_ms,
+                ..Default::default()
+            }))
+        }
+    }
+
+    const NODE: &str = "web-az1-1-4444";
+    let own = auth::node_credentials(SECRET, NODE).unwrap();
+    let ca = GroupCa::derive(SECRET).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.cert_pem().as_bytes()).unwrap())
+        .unwrap();
+    let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots))
+        .build()
+        .unwrap();
+    let mut config = rustls::ServerConfig::builder()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            vec![CertificateDer::from_pem_slice(own.cert_pem.as_bytes()).unwrap()],
+            PrivateKeyDer::from_pem_slice(own.key_pem.as_bytes()).unwrap(),
+        )
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.77.20.10:0")
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            if let Ok(tls) = acceptor.accept(s).await {
+                let _ = tx.send(Ok::<_, std::io::Error>(tls)).await;
+            }
+        }
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(NodeApiServer::new(GrpcOnly))
+            .serve_with_incoming(tokio_stream::wrappers::ReceiverStream::new(rx)),
+    );
+
+    let creds = EngineCredentials::issue(SECRET).unwrap();
+    let mut c = StatsClient::connect(&creds, "127.77.20.10", port, NODE, SECRET)
+        .await
+        .expect("a statistics connection");
+    assert!(!c.lean(), "HTTP/2 was all the server offered");
+    let s = c
+        .stats_over(Duration::from_secs(30))
+        .await
+        .expect("stats over gRPC");
+    assert_eq!((s.node_id.as_str(), s.window_ms), ("grpc-only", 30_000));
 }

@@ -8,5 +8,7 @@ pub mod node {
 
 pub use node::v1::*;
 
+pub mod stats_http;
+
 /// The metadata key that carries the group's secret: `authorization: Bearer <token>`.
 pub const AUTH_HEADER: &str = "authorization";

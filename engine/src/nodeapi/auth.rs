@@ -66,6 +66,12 @@ pub fn node_token(group_secret: &str, node_id: &str) -> String {
     ))
 }
 
+/// The `authorization` value of a call to the node: `Bearer` and its token.
+/// A secret: never logged.
+pub fn bearer(group_secret: &str, node_id: &str) -> String {
+    format!("Bearer {}", node_token(group_secret, node_id))
+}
+
 /// What node `node_id` of the group whose secret is `group_secret` is given.
 pub fn node_credentials(group_secret: &str, node_id: &str) -> Result<NodeCredentials, String> {
     let ca = GroupCa::derive(group_secret)?;
