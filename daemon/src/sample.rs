@@ -94,9 +94,12 @@ fn open_files_limit() -> usize {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
             return 1024;
         }
-        if r.rlim_max > r.rlim_cur {
+        // Capped at the kernel's default most (`fs.nr_open`): an unlimited
+        // hard limit cannot be the soft one.
+        let want = r.rlim_max.min(1 << 20);
+        if want > r.rlim_cur {
             let raised = libc::rlimit {
-                rlim_cur: r.rlim_max,
+                rlim_cur: want,
                 rlim_max: r.rlim_max,
             };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
@@ -339,7 +342,8 @@ mod tests {
         // SAFETY: getrlimit writes into the struct it is given.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
         assert_eq!(
-            r.rlim_cur, r.rlim_max,
+            r.rlim_cur,
+            r.rlim_max.min(1 << 20),
             "the soft limit was raised to the hard one"
         );
         assert_eq!(
