@@ -228,14 +228,18 @@ pub(crate) async fn sample(
             let call = std::panic::AssertUnwindSafe(stats_of(t, cached, token, creds, window))
                 .catch_unwind()
                 .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
-            async move {
+            // Boxed: a kept connection's socket holds the waker of the call
+            // that last read it until the next sample, and with it that
+            // call's task in `calls`; the task is then a pointer, not the
+            // whole call (a few KiB per kept connection).
+            Box::pin(async move {
                 let r = tokio::time::timeout(STATS_TIMEOUT, call)
                     .await
                     .unwrap_or_else(|_| {
                         Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
                     });
                 (t, addr, r)
-            }
+            })
         })
         .collect();
     let mut answers = HashMap::new();
