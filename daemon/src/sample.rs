@@ -22,8 +22,9 @@ const STATS_TIMEOUT: Duration = Duration::from_secs(2);
 /// stats interval only: it holds tens of KiB while idle.
 const KEEP_GRPC_UP_TO: Duration = Duration::from_secs(15);
 /// Descriptors left to the rest of the daemon when it keeps node
-/// connections: the store's connections, its listener, and the connections
-/// of the evaluations in flight that could not be kept.
+/// connections (at most half of them): the store's connections, its
+/// listener, and the connections of the evaluations in flight that could not
+/// be kept.
 const DESCRIPTORS_RESERVED: usize = 2048;
 
 /// The node connections the daemon keeps between samples, across its groups.
@@ -53,10 +54,11 @@ impl Keeping {
         })
     }
 
-    /// As many as the process's descriptors allow, less
-    /// [`DESCRIPTORS_RESERVED`], once its soft limit is raised to its hard one.
+    /// As many as the process's descriptors allow, once its soft limit is
+    /// raised to its hard one, less [`DESCRIPTORS_RESERVED`] or half of them,
+    /// whichever is less.
     pub(crate) fn from_descriptor_limit() -> Arc<Keeping> {
-        Keeping::new(open_files_limit().saturating_sub(DESCRIPTORS_RESERVED))
+        Keeping::new(kept_within(open_files_limit()))
     }
 
     pub(crate) fn limit(&self) -> usize {
@@ -80,6 +82,10 @@ impl Keeping {
             .ok()
             .map(|_| Kept(self.clone()))
     }
+}
+
+fn kept_within(open_files: usize) -> usize {
+    open_files - DESCRIPTORS_RESERVED.min(open_files / 2)
 }
 
 /// The soft limit on open files, first raised to the hard one (the default
@@ -248,10 +254,10 @@ pub(crate) async fn sample(
             Ok((client, kept, stats)) => {
                 let keep = client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO);
                 // A connection not kept gives its place back (`kept` dropped).
-                let place = if keep {
-                    kept.or_else(|| keeping.take())
-                } else {
-                    None
+                let place = match kept {
+                    Some(kept) if keep => Some(kept),
+                    None if keep => keeping.take().inspect(|_| client.probe_while_idle()),
+                    _ => None,
                 };
                 if let Some(_kept) = place {
                     clients.insert(
@@ -350,9 +356,9 @@ mod tests {
             r.rlim_max.min(1 << 20),
             "the soft limit was raised to the hard one"
         );
-        assert_eq!(
-            k.limit(),
-            (r.rlim_cur as usize).saturating_sub(DESCRIPTORS_RESERVED)
-        );
+        assert_eq!(k.limit(), kept_within(r.rlim_cur as usize));
+        // A small limit still keeps half; a large one leaves the reserve.
+        assert_eq!(kept_within(1024), 512);
+        assert_eq!(kept_within(20_000), 17_952);
     }
 }

@@ -313,6 +313,11 @@ async fn the_statistics_call_over_http1_keeps_its_connection_under_the_same_chec
         "{e}"
     );
     assert!(wrong.reusable());
+    let e = wrong.stats_over(Duration::ZERO).await.expect_err("again");
+    assert!(
+        e.to_string().contains("HTTP 401"),
+        "the same connection answered: {e}"
+    );
 
     let mut other = StatsClient::connect(&creds, "127.77.20.9", port, NODE, SECRET)
         .await

@@ -69,6 +69,9 @@ pub async fn read_answer<R: AsyncRead + Unpin>(io: &mut R) -> io::Result<Answer>
                 let mut keep_alive = parsed.version == Some(1);
                 for h in parsed.headers.iter() {
                     if h.name.eq_ignore_ascii_case("content-length") {
+                        if length.is_some() {
+                            return Err(invalid("more than one content-length"));
+                        }
                         let v = std::str::from_utf8(h.value)
                             .ok()
                             .and_then(|v| v.parse().ok());
@@ -196,6 +199,9 @@ fn head(req: &httparse::Request) -> Head {
     let mut authorization = None;
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("authorization") {
+            if authorization.is_some() {
+                return bad(400, "more than one authorization header");
+            }
             authorization = Some(h.value.to_vec());
         } else if h.name.eq_ignore_ascii_case("transfer-encoding")
             || (h.name.eq_ignore_ascii_case("content-length") && h.value != b"0")
@@ -219,15 +225,32 @@ fn head(req: &httparse::Request) -> Head {
 /// Serves the requests of one connection, one at a time, until the client
 /// closes it, asks to, sends what is not a statistics request, or sends
 /// nothing for `idle` between requests. `handle` answers each request.
-pub async fn serve<S, F, Fut>(mut io: S, idle: Duration, mut handle: F) -> io::Result<()>
+pub async fn serve<S, F, Fut>(io: S, idle: Duration, handle: F) -> io::Result<()>
 where
     S: AsyncRead + AsyncWrite + Unpin,
     F: FnMut(Asked) -> Fut,
     Fut: std::future::Future<Output = Reply>,
 {
-    // Empty between requests: a kept connection holds no buffer.
+    serve_within(io, idle, HEAD_TIMEOUT, handle).await
+}
+
+/// [`serve`], a request's head due within `head_timeout` of its first byte.
+async fn serve_within<S, F, Fut>(
+    mut io: S,
+    idle: Duration,
+    head_timeout: Duration,
+    mut handle: F,
+) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    F: FnMut(Asked) -> Fut,
+    Fut: std::future::Future<Output = Reply>,
+{
+    // Emptied between requests: a kept connection holds a read's room only.
     let mut buf = Vec::new();
     loop {
+        // Set by a request's first byte: the whole head must follow by then.
+        let mut head_by = None;
         let (parsed, used) = loop {
             let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
             let mut req = httparse::Request::new(&mut headers);
@@ -242,16 +265,20 @@ where
                 }
                 Err(e) => break (Head::Bad(400, format!("a malformed request: {e}")), 0),
             }
-            let wait = if buf.is_empty() { idle } else { HEAD_TIMEOUT };
+            let by = match head_by {
+                _ if buf.is_empty() => tokio::time::Instant::now() + idle,
+                Some(by) => by,
+                None => *head_by.insert(tokio::time::Instant::now() + head_timeout),
+            };
             buf.reserve(1024);
-            match tokio::time::timeout(wait, io.read_buf(&mut buf)).await {
+            match tokio::time::timeout_at(by, io.read_buf(&mut buf)).await {
                 Ok(Ok(0)) => return Ok(()),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return Err(e),
                 // Idle: closed quietly. A head begun and not finished: told.
                 Err(_) if buf.is_empty() => return Ok(()),
                 Err(_) => {
-                    let why = format!("no whole request head within {} s", HEAD_TIMEOUT.as_secs());
+                    let why = format!("no whole request head within {head_timeout:?}");
                     break (Head::Bad(408, why), 0);
                 }
             }
@@ -277,7 +304,7 @@ where
             io::Error::new(io::ErrorKind::TimedOut, "the answer was not taken in time")
         })??;
         if close {
-            let _ = io.shutdown().await;
+            let _ = tokio::time::timeout(HEAD_TIMEOUT, io.shutdown()).await;
             return Ok(());
         }
         buf.drain(..used);
@@ -291,16 +318,22 @@ where
 mod tests {
     use super::*;
 
-    async fn answered(
-        window: Duration,
-    ) -> (
+    type Served = (
         tokio::io::DuplexStream,
         tokio::task::JoinHandle<io::Result<()>>,
-    ) {
+    );
+
+    async fn answered(window: Duration) -> Served {
+        answered_within(window, HEAD_TIMEOUT).await
+    }
+
+    /// A server of the statistics for `window` on the far side of a pipe.
+    async fn answered_within(window: Duration, head_timeout: Duration) -> Served {
         let (near, far) = tokio::io::duplex(1 << 16);
-        let server = tokio::spawn(serve(
+        let server = tokio::spawn(serve_within(
             far,
             Duration::from_secs(60),
+            head_timeout,
             move |asked: Asked| async move {
                 if asked.authorization.as_deref() != Some(b"Bearer right".as_slice()) {
                     return Reply::Refused(401, "missing or invalid bearer token".into());
@@ -374,6 +407,62 @@ mod tests {
             assert!(!a.keep_alive);
             server.await.unwrap().unwrap();
         }
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order_and_a_close_is_honoured() {
+        let (mut io, server) = answered(Duration::ZERO).await;
+        let mut two = request("node-n1", Duration::ZERO, "Bearer right");
+        two.extend(request("node-n1", Duration::ZERO, "Bearer wrong"));
+        // Byte by byte, the two requests in one stream.
+        for b in two {
+            io.write_all(&[b]).await.unwrap();
+        }
+        assert_eq!(read_answer(&mut io).await.unwrap().status, 200);
+        assert_eq!(read_answer(&mut io).await.unwrap().status, 401);
+        io.write_all(
+            b"GET /v1/stats HTTP/1.1\r\nauthorization: Bearer right\r\nconnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let a = read_answer(&mut io).await.unwrap();
+        assert_eq!((a.status, a.keep_alive), (200, false));
+        server.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_head_sent_a_byte_at_a_time_must_be_whole_within_its_deadline() {
+        let head_timeout = Duration::from_millis(300);
+        let (mut io, server) = answered_within(Duration::ZERO, head_timeout).await;
+        // A byte every 100 ms: each comes well within the head's time, the
+        // whole head does not.
+        for b in b"GET /v1/stats HTTP/1.1\r\nhost: node-n1\r\n" {
+            if server.is_finished() || io.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut io))
+            .await
+            .expect("the server answers once the head's time is up")
+            .unwrap();
+        assert_eq!(a.status, 408);
+        assert!(String::from_utf8_lossy(&a.body).contains("within 300ms"));
+        server.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_repeated_authorization_is_refused() {
+        let (mut io, server) = answered(Duration::ZERO).await;
+        io.write_all(
+            b"GET /v1/stats HTTP/1.1\r\nauthorization: Bearer wrong\r\nauthorization: Bearer right\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let a = read_answer(&mut io).await.unwrap();
+        assert_eq!(a.status, 400);
+        assert!(String::from_utf8_lossy(&a.body).contains("more than one authorization"));
+        server.await.unwrap().unwrap();
     }
 
     #[tokio::test]

@@ -73,6 +73,23 @@ impl StatsClient {
         matches!(self.conn, Conn::Http1 { .. })
     }
 
+    /// Has the kernel probe the connection while it idles between samples
+    /// (after 30 s, every 10 s, 3 times), so that a node gone without a word
+    /// is found before the next sample rather than by its timeout.
+    pub fn probe_while_idle(&self) {
+        let tcp = match &self.conn {
+            Conn::Http1 { io, .. } => io.get_ref().0,
+            Conn::Grpc(_) => return,
+        };
+        let probes = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(30))
+            .with_interval(Duration::from_secs(10))
+            .with_retries(3);
+        if let Err(e) = socket2::SockRef::from(tcp).set_tcp_keepalive(&probes) {
+            tracing::debug!(addr = %self.addr, error = %e, "TCP keepalive not set");
+        }
+    }
+
     /// Whether another call may go over this connection.
     pub fn reusable(&self) -> bool {
         !matches!(self.conn, Conn::Http1 { done: true, .. })
@@ -106,8 +123,19 @@ impl StatsClient {
             io.flush().await?;
             stats_http::read_answer(io).await
         };
+        let refused = |status: String, message: String| NodeApiError::Refused {
+            addr: self.addr.clone(),
+            call: "GetStats",
+            status,
+            message,
+        };
         let answer = match tokio::time::timeout(CALL_TIMEOUT, call).await {
             Ok(Ok(a)) => a,
+            // The node answered, with what is not an answer: a new
+            // connection would hear the same.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                return Err(refused("malformed".into(), e.to_string()))
+            }
             Ok(Err(e)) => return Err(unreachable(format!("GetStats: {e}"))),
             Err(_) => {
                 return Err(unreachable(format!(
@@ -117,12 +145,6 @@ impl StatsClient {
             }
         };
         *done = !answer.keep_alive;
-        let refused = |status: String, message: String| NodeApiError::Refused {
-            addr: self.addr.clone(),
-            call: "GetStats",
-            status,
-            message,
-        };
         if answer.status != 200 {
             let why: String = String::from_utf8_lossy(&answer.body)
                 .chars()
