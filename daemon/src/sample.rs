@@ -116,10 +116,11 @@ fn open_files_limit() -> usize {
     usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
 }
 
-/// A connection to one node's statistics, kept between evaluations.
+/// A connection to one node's statistics, kept between evaluations. Boxed:
+/// a group's map of them then holds a pointer per free slot, not a client.
 pub(crate) struct CachedClient {
     addr: String,
-    client: StatsClient,
+    client: Box<StatsClient>,
     _kept: Kept,
 }
 
@@ -298,7 +299,7 @@ async fn stats_of(
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(StatsClient, Option<Kept>, NodeStats), String> {
+) -> Result<(Box<StatsClient>, Option<Kept>, NodeStats), String> {
     let mut kept = None;
     if let Some(c) = cached {
         let mut client = c.client;
@@ -311,9 +312,11 @@ async fn stats_of(
             Err(e) => return Err(e.to_string()),
         }
     }
-    let mut client = StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
-        .await
-        .map_err(|e| e.to_string())?;
+    let mut client = Box::new(
+        StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
+            .await
+            .map_err(|e| e.to_string())?,
+    );
     let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
     Ok((client, kept, stats))
 }
