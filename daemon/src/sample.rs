@@ -252,15 +252,16 @@ pub(crate) async fn sample(
     let mut answers = HashMap::new();
     while let Some((t, addr, r)) = calls.next().await {
         match r {
-            Ok((client, kept, stats)) => {
+            Ok((mut client, kept, stats)) => {
                 let keep = client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO);
                 // A connection not kept gives its place back (`kept` dropped).
                 let place = match kept {
                     Some(kept) if keep => Some(kept),
-                    None if keep => keeping.take().inspect(|_| client.probe_while_idle()),
+                    None if keep => keeping.take(),
                     _ => None,
                 };
                 if let Some(_kept) = place {
+                    client.probe_while_idle();
                     clients.insert(
                         t.id.clone(),
                         CachedClient {

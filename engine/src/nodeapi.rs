@@ -161,8 +161,9 @@ fn client_config(
 }
 
 /// One HTTP/2 connection to a node's API, as the generated client calls it.
-/// A connection serves one client, a call at a time (the daemon dials a node
-/// per sample, or keeps it at short intervals), and each call drives the
+/// A connection serves one client, a call at a time (the provider's and the
+/// daemon's workflows; the daemon's samples only for a node that offers no
+/// HTTP/1.1, [`stats::StatsClient`]), and each call drives the
 /// connection itself until it has the whole answer: no task of its own, no
 /// buffer task and no reconnect, unlike hyper's connection or tonic's
 /// channel, whose tasks and wakeups cost more than a sample's one call. A
@@ -318,8 +319,8 @@ type NodeTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 /// Dials one node: TCP to its address, then TLS with the group's client
 /// configuration `tls` for the node's certificate name, within
 /// [`CONNECT_TIMEOUT`]. The socket, with zero linger, is reset rather than
-/// left in TIME_WAIT when it is dropped: the daemon may open a connection
-/// per node at every sample.
+/// left in TIME_WAIT when it is dropped: the daemon opens a connection per
+/// sample to the nodes past its limit of kept connections.
 async fn dial_tls(
     tls: Arc<rustls::ClientConfig>,
     ip: &str,

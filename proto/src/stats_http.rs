@@ -435,13 +435,17 @@ mod tests {
         let head_timeout = Duration::from_millis(300);
         let (mut io, server) = answered_within(Duration::ZERO, head_timeout).await;
         // A byte every 100 ms: each comes well within the head's time, the
-        // whole head does not.
-        for b in b"GET /v1/stats HTTP/1.1\r\nhost: node-n1\r\n" {
+        // whole head does not; the server gives up before the last byte.
+        let head = b"GET /v1/stats HTTP/1.1\r\nhost: node-n1\r\n";
+        let mut sent = 0;
+        for b in head {
             if server.is_finished() || io.write_all(&[*b]).await.is_err() {
                 break;
             }
+            sent += 1;
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        assert!(sent < head.len(), "the server waited for all {sent} bytes");
         let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut io))
             .await
             .expect("the server answers once the head's time is up")

@@ -30,6 +30,8 @@ enum Conn {
         authorization: String,
         /// The node said it closes the connection, or a call failed midway.
         done: bool,
+        /// TCP keepalive is set ([`StatsClient::probe_while_idle`]).
+        probed: bool,
     },
     Grpc(NodeClient),
 }
@@ -52,6 +54,7 @@ impl StatsClient {
                 host: auth::node_name(node_id),
                 authorization: auth::bearer(group_secret, node_id),
                 done: false,
+                probed: false,
             }
         } else {
             Conn::Grpc(NodeClient::over(addr.clone(), tls, node_id, group_secret).await?)
@@ -73,13 +76,17 @@ impl StatsClient {
         matches!(self.conn, Conn::Http1 { .. })
     }
 
-    /// Has the kernel probe the connection while it idles between samples
-    /// (after 30 s, every 10 s, 3 times), so that a node gone without a word
-    /// is found before the next sample rather than by its timeout.
-    pub fn probe_while_idle(&self) {
-        let tcp = match &self.conn {
-            Conn::Http1 { io, .. } => io.get_ref().0,
-            Conn::Grpc(_) => return,
+    /// Has the kernel probe an HTTP/1.1 connection while it idles between
+    /// samples (after 30 s, every 10 s, 3 times), so that the connection to
+    /// a node gone without a word is closed after about a minute rather than
+    /// held. Once per connection; a gRPC one is left as it is.
+    pub fn probe_while_idle(&mut self) {
+        let tcp = match &mut self.conn {
+            Conn::Http1 { probed: true, .. } | Conn::Grpc(_) => return,
+            Conn::Http1 { io, probed, .. } => {
+                *probed = true;
+                io.get_ref().0
+            }
         };
         let probes = socket2::TcpKeepalive::new()
             .with_time(Duration::from_secs(30))
@@ -106,6 +113,7 @@ impl StatsClient {
                 host,
                 authorization,
                 done,
+                ..
             } => (io, host, authorization, done),
         };
         let unreachable = |detail: String| NodeApiError::Unreachable {

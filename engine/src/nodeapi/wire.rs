@@ -5,7 +5,7 @@
 //! record and a segment of its own at once. [`Wire`] gathers the writes until
 //! HTTP/2 flushes, so that one flight goes out as one record in one segment.
 //! On loopback, and to a node next to the daemon, a segment's cost is mostly
-//! the kernel's, and the daemon opens a connection per node at every sample.
+//! the kernel's, and a workflow may open a connection per call.
 
 use std::io;
 use std::pin::Pin;
