@@ -120,7 +120,7 @@ pub struct Shared {
     daemons: AtomicUsize,
     groups: AtomicUsize,
     /// The node connections kept between samples, across the groups.
-    pub(crate) keeping: Arc<sample::Keeping>,
+    pub(crate) keeping: Arc<lbscale_descriptors::Budget>,
 }
 
 impl Shared {
@@ -272,7 +272,7 @@ pub async fn run_with_clouds(
         claims: claims::Claims::default(),
         daemons: AtomicUsize::new(1),
         groups: AtomicUsize::new(0),
-        keeping: sample::Keeping::from_descriptor_limit(),
+        keeping: sample::keeping(),
     });
     let mut announced: Option<std::time::Instant> = None;
     tracing::info!(

@@ -3,13 +3,13 @@
 use crate::metrics::{RampingService, SampleOut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
+use lbscale_descriptors::{raise_open_files_limit, Budget, Slot};
 use lbscale_engine::nodeapi::stats::StatsClient;
 use lbscale_engine::nodeapi::{EngineCredentials, NodeApiError};
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::NodeRow;
 use lbscale_proto::NodeStats;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,93 +27,28 @@ const KEEP_GRPC_UP_TO: Duration = Duration::from_secs(15);
 /// be kept.
 const DESCRIPTORS_RESERVED: usize = 2048;
 
-/// The node connections the daemon keeps between samples, across its groups.
-/// Each holds a descriptor and its TLS session (a few KiB); a node whose
-/// connection is kept costs a write and a read per sample instead of a TCP
-/// connection and a TLS handshake. Past the limit, new connections are
-/// closed after their sample.
-pub(crate) struct Keeping {
-    limit: usize,
-    kept: AtomicUsize,
+/// The node connections the daemon keeps between samples, across its groups:
+/// a slot each, as many as the process's descriptors allow once its soft
+/// limit is raised to its hard one, less [`DESCRIPTORS_RESERVED`] or half of
+/// them, whichever is less. Each holds a descriptor and its TLS session (a
+/// few KiB); a node whose connection is kept costs a write and a read per
+/// sample instead of a TCP connection and a TLS handshake. Past the limit,
+/// new connections are closed after their sample.
+pub(crate) fn keeping() -> Arc<Budget> {
+    Budget::new(kept_within(raise_open_files_limit()))
 }
 
-/// One kept connection's place in [`Keeping`], given back when dropped.
-pub(crate) struct Kept(Arc<Keeping>);
-
-impl Drop for Kept {
-    fn drop(&mut self) {
-        self.0.kept.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Keeping {
-    pub(crate) fn new(limit: usize) -> Arc<Keeping> {
-        Arc::new(Keeping {
-            limit,
-            kept: AtomicUsize::new(0),
-        })
-    }
-
-    /// As many as the process's descriptors allow, once its soft limit is
-    /// raised to its hard one, less [`DESCRIPTORS_RESERVED`] or half of them,
-    /// whichever is less.
-    pub(crate) fn from_descriptor_limit() -> Arc<Keeping> {
-        Keeping::new(kept_within(open_files_limit()))
-    }
-
-    pub(crate) fn limit(&self) -> usize {
-        self.limit
-    }
-
-    /// Its two gauges in the Prometheus text exposition.
-    pub(crate) fn render(&self) -> String {
-        format!(
-            "# HELP lbscale_node_connections_kept Node connections kept between samples.\n# TYPE lbscale_node_connections_kept gauge\nlbscale_node_connections_kept {}\n# HELP lbscale_node_connections_kept_limit The most node connections the daemon keeps (its descriptor limit less a reserve).\n# TYPE lbscale_node_connections_kept_limit gauge\nlbscale_node_connections_kept_limit {}\n",
-            self.kept.load(Ordering::Relaxed),
-            self.limit
-        )
-    }
-
-    fn take(self: &Arc<Self>) -> Option<Kept> {
-        self.kept
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < self.limit).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Kept(self.clone()))
-    }
+/// The two gauges of [`keeping`] in the Prometheus text exposition.
+pub(crate) fn render_kept(keeping: &Budget) -> String {
+    format!(
+        "# HELP lbscale_node_connections_kept Node connections kept between samples.\n# TYPE lbscale_node_connections_kept gauge\nlbscale_node_connections_kept {}\n# HELP lbscale_node_connections_kept_limit The most node connections the daemon keeps (its descriptor limit less a reserve).\n# TYPE lbscale_node_connections_kept_limit gauge\nlbscale_node_connections_kept_limit {}\n",
+        keeping.used(),
+        keeping.limit()
+    )
 }
 
 fn kept_within(open_files: usize) -> usize {
     open_files - DESCRIPTORS_RESERVED.min(open_files / 2)
-}
-
-/// The soft limit on open files, first raised to the hard one (the default
-/// soft limit, often 1,024, would keep almost nothing).
-fn open_files_limit() -> usize {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read and write the struct they are given.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
-            return 1024;
-        }
-        // Capped at the kernel's default most (`fs.nr_open`): an unlimited
-        // hard limit cannot be the soft one.
-        let want = r.rlim_max.min(1 << 20);
-        if want > r.rlim_cur {
-            let raised = libc::rlimit {
-                rlim_cur: want,
-                rlim_max: r.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                r = raised;
-            }
-        }
-    }
-    usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
 }
 
 /// A connection to one node's statistics, kept between evaluations. Boxed:
@@ -121,7 +56,7 @@ fn open_files_limit() -> usize {
 pub(crate) struct CachedClient {
     addr: String,
     client: Box<StatsClient>,
-    _kept: Kept,
+    _kept: Slot,
 }
 
 /// One node as the daemon samples it.
@@ -213,7 +148,7 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// group's runtime, not issued per connection).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
-    keeping: &Arc<Keeping>,
+    keeping: &Arc<Budget>,
     targets: Vec<Target>,
     token: &str,
     creds: &Arc<EngineCredentials>,
@@ -257,7 +192,7 @@ pub(crate) async fn sample(
                 // A connection not kept gives its place back (`kept` dropped).
                 let place = match kept {
                     Some(kept) if keep => Some(kept),
-                    None if keep => keeping.take(),
+                    None if keep => keeping.take(1),
                     _ => None,
                 };
                 if let Some(_kept) = place {
@@ -293,14 +228,14 @@ fn panicked(node: &str, panic: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// One target's statistics, over its kept connection when there is one (and
-/// that connection's place in [`Keeping`]).
+/// that connection's slot in [`keeping`]).
 async fn stats_of(
     t: &Target,
     cached: Option<CachedClient>,
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(Box<StatsClient>, Option<Kept>, NodeStats), String> {
+) -> Result<(Box<StatsClient>, Option<Slot>, NodeStats), String> {
     let mut kept = None;
     if let Some(c) = cached {
         let mut client = c.client;
@@ -327,40 +262,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn keeping_gives_places_up_to_its_limit_and_takes_them_back_when_dropped() {
-        let keeping = Keeping::new(2);
-        let a = keeping.take().expect("a first place");
-        let b = keeping.take().expect("a second place");
-        assert!(keeping.take().is_none(), "past the limit");
-        assert!(keeping
-            .render()
-            .contains("lbscale_node_connections_kept 2\n"));
-        drop(a);
-        let c = keeping.take().expect("the place given back");
-        drop((b, c));
-        assert!(keeping
-            .render()
-            .contains("lbscale_node_connections_kept 0\n"));
-        assert!(keeping
-            .render()
-            .contains("lbscale_node_connections_kept_limit 2\n"));
+    fn kept_connections_are_counted_in_the_gauges() {
+        let keeping = Budget::new(2);
+        let a = keeping.take(1).expect("a first place");
+        let b = keeping.take(1).expect("a second place");
+        assert!(keeping.take(1).is_none(), "past the limit");
+        assert!(render_kept(&keeping).contains("lbscale_node_connections_kept 2\n"));
+        drop((a, b));
+        let text = render_kept(&keeping);
+        assert!(text.contains("lbscale_node_connections_kept 0\n"));
+        assert!(text.contains("lbscale_node_connections_kept_limit 2\n"));
     }
 
     #[test]
     fn the_descriptor_limit_leaves_a_reserve() {
-        let k = Keeping::from_descriptor_limit();
-        let mut r = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes into the struct it is given.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+        let k = keeping();
         assert_eq!(
-            r.rlim_cur,
-            r.rlim_max.min(1 << 20),
-            "the soft limit was raised to the hard one"
+            k.limit(),
+            kept_within(lbscale_descriptors::open_files_limit())
         );
-        assert_eq!(k.limit(), kept_within(r.rlim_cur as usize));
         // A small limit still keeps half; a large one leaves the reserve.
         assert_eq!(kept_within(1024), 512);
         assert_eq!(kept_within(20_000), 17_952);

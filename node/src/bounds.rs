@@ -3,7 +3,6 @@
 //! head. A flood of connections or UDP sources then costs the node at most its
 //! budget, and the management API always has descriptors left.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,97 +36,13 @@ impl Default for Limits {
     }
 }
 
-/// The process's soft limit on open files.
-pub fn open_files_limit() -> usize {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the struct it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
-        return 1024;
-    }
-    usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
-}
+pub use lbscale_descriptors::{open_files_limit, raise_open_files_limit, Budget, Slot};
 
-/// Raises the soft limit on open files to the hard limit (capped at 2^20): the
-/// default soft limit (often 1,024) is far below what a node can serve.
-pub fn raise_open_files_limit() {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct they are given.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
-            let want = r.rlim_max.min(1 << 20);
-            if want > r.rlim_cur {
-                r.rlim_cur = want;
-                libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-            }
-        }
-    }
-}
-
-/// Counted slots against a limit (the node's descriptors, a vserver's
-/// connections). A slot is given back when its [`Slot`] is dropped.
-pub struct Budget {
-    limit: AtomicUsize,
-    used: AtomicUsize,
-}
-
-impl Budget {
-    pub fn new(limit: usize) -> Arc<Budget> {
-        Arc::new(Budget {
-            limit: AtomicUsize::new(limit),
-            used: AtomicUsize::new(0),
-        })
-    }
-
-    /// The data plane's share of the process's descriptors: all but an eighth
-    /// (at least [`MIN_RESERVE`]) kept for the rest of the process.
-    pub fn for_descriptors(nofile: usize) -> Arc<Budget> {
-        let reserve = (nofile / 8).max(MIN_RESERVE);
-        Budget::new(nofile.saturating_sub(reserve).max(1))
-    }
-
-    pub fn set_limit(&self, limit: usize) {
-        self.limit.store(limit, Ordering::Relaxed);
-    }
-
-    pub fn limit(&self) -> usize {
-        self.limit.load(Ordering::Relaxed)
-    }
-
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    /// Takes `n` slots, or none when that would pass the limit.
-    pub fn take(self: &Arc<Self>, n: usize) -> Option<Slot> {
-        let limit = self.limit();
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |u| {
-                (u + n <= limit).then_some(u + n)
-            })
-            .ok()?;
-        Some(Slot {
-            budget: self.clone(),
-            n,
-        })
-    }
-}
-
-/// Slots taken from a [`Budget`], given back on drop.
-pub struct Slot {
-    budget: Arc<Budget>,
-    n: usize,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.n, Ordering::AcqRel);
-    }
+/// The data plane's share of the process's descriptors: all but an eighth (at
+/// least [`MIN_RESERVE`]) kept for the rest of the process.
+pub fn descriptor_budget(nofile: usize) -> Arc<Budget> {
+    let reserve = (nofile / 8).max(MIN_RESERVE);
+    Budget::new(nofile.saturating_sub(reserve).max(1))
 }
 
 /// What one client connection or UDP flow holds: its vserver's slot and its
@@ -221,20 +136,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn budget_refuses_past_its_limit_and_frees_on_drop() {
-        let b = Budget::new(3);
-        let a = b.take(2).unwrap();
-        assert!(b.take(2).is_none());
-        let c = b.take(1).unwrap();
-        assert_eq!(b.used(), 3);
-        drop(a);
-        assert_eq!(b.used(), 1);
-        assert!(b.take(2).is_some());
-        drop(c);
-        assert_eq!(b.used(), 0);
-    }
-
-    #[test]
     fn admission_needs_both_budgets() {
         let vs = Budget::new(10);
         let node = Budget::new(3);
@@ -248,7 +149,7 @@ mod tests {
 
     #[test]
     fn descriptors_keep_a_reserve() {
-        assert_eq!(Budget::for_descriptors(4096).limit(), 4096 - 512);
-        assert_eq!(Budget::for_descriptors(256).limit(), 128);
+        assert_eq!(descriptor_budget(4096).limit(), 4096 - 512);
+        assert_eq!(descriptor_budget(256).limit(), 128);
     }
 }

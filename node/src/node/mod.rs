@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::bounds::{open_files_limit, Budget, Limits};
+use crate::bounds::{descriptor_budget, open_files_limit, Limits};
 use crate::dial::Dialer;
 use crate::health::{HealthCfg, Prober};
 use crate::metrics::Traffic;
@@ -114,7 +114,7 @@ impl Node {
                 traffic: Arc::new(Traffic::default()),
                 dialer,
                 limits: opts.limits,
-                descriptors: Budget::for_descriptors(open_files_limit()),
+                descriptors: descriptor_budget(open_files_limit()),
             },
             drain: CancellationToken::new(),
             draining: AtomicBool::new(false),
