@@ -97,6 +97,25 @@ impl AzRuntime {
         self.workflow.as_ref().map(|w| w.kind)
     }
 
+    /// An AZ whose scale-out runs until `end` resolves (tests of the loop).
+    #[cfg(test)]
+    pub fn scaling_out_until(end: tokio::sync::oneshot::Receiver<()>) -> AzRuntime {
+        let task = tokio::spawn(async move {
+            let _ = end.await;
+            Finished {
+                result: Ok("joined".into()),
+                at: 0,
+            }
+        });
+        AzRuntime {
+            workflow: Some(Workflow {
+                kind: WorkflowKind::ScaleOut,
+                task,
+            }),
+            ..AzRuntime::new(AzState::new(2), None)
+        }
+    }
+
     /// Whether a workflow ended that the policy has not taken in.
     pub fn workflow_ended(&self) -> bool {
         self.workflow.as_ref().is_some_and(|w| w.task.is_finished())

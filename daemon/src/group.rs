@@ -150,6 +150,17 @@ impl GroupRuntime {
             || (!self.left_alone && self.azs.values().any(|a| a.workflow_ended()))
     }
 
+    /// From when (Unix ms) the loop looks at the group again: its requeue, or
+    /// at once (every tick) while an AZ's workflow runs whose end would make
+    /// the group due.
+    pub fn next_look(&self, now: i64) -> i64 {
+        if !self.left_alone && self.workflows_in_flight() {
+            now
+        } else {
+            self.next_eval_ms
+        }
+    }
+
     fn workflows_in_flight(&self) -> bool {
         self.azs.values().any(|a| a.workflow().is_some())
     }
@@ -185,13 +196,14 @@ pub fn release_ownership(shared: &Shared, group_id: &str) {
 
 /// Runs one evaluation of the group and requeues it: what [`evaluate`] says
 /// next, or what [`error_policy`] decides after a failure. Holds the group's
-/// runtime meanwhile, so that the loop starts no second one.
+/// runtime meanwhile, so that the loop starts no second one. Returns when the
+/// loop looks at the group again ([`GroupRuntime::next_look`]).
 pub async fn run(
     shared: Arc<Shared>,
     mut rt: OwnedMutexGuard<GroupRuntime>,
     row: Row<GroupSpec>,
     version: i64,
-) {
+) -> i64 {
     let started = now_ms();
     // Its claim is renewed while it runs, however long (see `claims`).
     let _evaluating = shared.claims.evaluating(&row.id);
@@ -211,6 +223,7 @@ pub async fn run(
         Err(e) => error_policy(&shared, &row, &mut rt, e),
     };
     rt.next_eval_ms = started + wait.as_millis() as i64 - LOOP_SLACK_MS;
+    rt.next_look(now_ms())
 }
 
 /// The one error policy: a failed evaluation is reported (log, metric,
@@ -838,6 +851,35 @@ mod tests {
         rt.next_eval_ms = 10_000;
         assert!(!rt.due(9_999));
         assert!(rt.due(10_000));
+        assert_eq!(
+            rt.next_look(5_000),
+            10_000,
+            "looked at again at its requeue"
+        );
+        rt.left_alone = true;
+        assert_eq!(rt.next_look(5_000), 10_000);
+    }
+
+    #[tokio::test]
+    async fn a_group_whose_workflow_runs_is_looked_at_every_tick_and_due_when_it_ends() {
+        let (end, ended) = tokio::sync::oneshot::channel();
+        let mut rt = GroupRuntime::new();
+        rt.next_eval_ms = 60_000;
+        rt.azs
+            .insert("az1".into(), crate::az::AzRuntime::scaling_out_until(ended));
+        assert_eq!(rt.next_look(5_000), 5_000, "looked at at the next tick");
+        assert!(!rt.due(5_000), "running: not due before its requeue");
+        end.send(()).unwrap();
+        for _ in 0..100 {
+            if rt.due(5_000) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(rt.due(5_000), "the workflow's end makes the group due");
+        rt.left_alone = true;
+        assert_eq!(rt.next_look(5_000), 60_000, "left alone: at its requeue");
+        assert!(!rt.due(5_000));
     }
 
     #[test]

@@ -6,7 +6,10 @@
 //! thresholds takes effect at the next evaluation). A group that is due (its
 //! requeue has come, or a workflow of one of its AZs ended) gets one evaluation,
 //! run as its own task; a group has at most one evaluation at a time (its
-//! runtime sits behind a mutex that the evaluation holds).
+//! runtime sits behind a mutex that the evaluation holds). A tick looks only at
+//! the groups whose time has come in a queue by time (`schedule.rs`): each
+//! evaluation says when to look at its group again, every tick while one of its
+//! workflows runs.
 //!
 //! One evaluation ([`group::evaluate`]) returns what happens next ([`group::Next`]:
 //! requeue after a duration, or workflows started); a failed one goes to one error
@@ -53,9 +56,11 @@ pub mod malloc;
 pub mod metrics;
 pub mod resume;
 mod sample;
+mod schedule;
 mod spans;
 mod status;
 
+use futures_util::FutureExt;
 use lbscale_cloud_aws::AwsSettings;
 use lbscale_cloud_local::LocalSettings;
 use lbscale_engine::model::GroupSpec;
@@ -65,6 +70,7 @@ use metrics::{GroupStatus, Metrics};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -287,7 +293,8 @@ pub async fn run_with_clouds(
 
     let mut groups: HashMap<String, Watched> = HashMap::new();
     let mut listed: Option<Listed> = None;
-    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut tasks: JoinSet<(String, i64)> = JoinSet::new();
+    let mut schedule = schedule::Schedule::default();
     // Evaluations in flight at once: each holds store connections and node
     // connections while it runs; thousands of groups due together (a start,
     // a takeover) wait for a turn instead of starving the lease renewals.
@@ -301,14 +308,15 @@ pub async fn run_with_clouds(
             _ = ticker.tick() => {}
         }
         while let Some(done) = tasks.try_join_next() {
-            if let Err(e) = done {
-                tracing::error!(error = %e, "a group evaluation panicked or was cancelled");
+            match done {
+                Ok((id, next)) => schedule.at(next, id),
+                Err(e) => tracing::error!(error = %e, "a group evaluation was cancelled"),
             }
         }
         match changed(&watch, &listed).await {
             Ok(None) => {}
             Ok(Some(fingerprint)) => {
-                if let Err(e) = refresh(&shared, &mut groups) {
+                if let Err(e) = refresh(&shared, &mut groups, &mut schedule) {
                     tracing::warn!(error = %e, "cannot list the groups; retrying at the next tick");
                     continue;
                 }
@@ -335,21 +343,39 @@ pub async fn run_with_clouds(
         }
         shared.groups.store(groups.len(), Ordering::Relaxed);
         let now = lbscale_engine::store::now_ms();
-        for w in groups.values() {
-            // In flight: this group's previous evaluation runs (or waits).
+        for id in schedule.take_due(now) {
+            // Gone from the store since it was queued.
+            let Some(w) = groups.get(&id) else {
+                continue;
+            };
+            // In flight: this group's evaluation runs (or waits for its turn),
+            // and queues the group again when it ends.
             let Ok(guard) = w.runtime.clone().try_lock_owned() else {
                 continue;
             };
-            if guard.due(now) {
-                let (shared, row, version, turns) =
-                    (shared.clone(), w.row.clone(), w.version, turns.clone());
-                tasks.spawn(async move {
-                    let Ok(_turn) = turns.acquire_owned().await else {
-                        return;
-                    };
-                    group::run(shared, guard, row, version).await
-                });
+            if !guard.due(now) {
+                schedule.at(guard.next_look(now), id);
+                continue;
             }
+            let (shared, row, version, turns) =
+                (shared.clone(), w.row.clone(), w.version, turns.clone());
+            tasks.spawn(async move {
+                let Ok(_turn) = turns.acquire_owned().await else {
+                    return (id, now);
+                };
+                // A panic is a bug: logged, and the group looked at again at
+                // the next tick (as a group that stays due).
+                match AssertUnwindSafe(group::run(shared, guard, row, version))
+                    .catch_unwind()
+                    .await
+                {
+                    Ok(next) => (id, next),
+                    Err(_) => {
+                        tracing::error!(group_id = %id, "a group evaluation panicked");
+                        (id, lbscale_engine::store::now_ms())
+                    }
+                }
+            });
         }
     }
 
@@ -431,6 +457,7 @@ struct Watched {
 fn refresh(
     shared: &Shared,
     groups: &mut HashMap<String, Watched>,
+    schedule: &mut schedule::Schedule,
 ) -> Result<(), lbscale_engine::EngineError> {
     let versions = shared.engine.group_versions()?;
     let present: HashSet<&str> = versions.iter().map(|(id, _)| id.as_str()).collect();
@@ -463,6 +490,7 @@ fn refresh(
             }
             None => {
                 shared.set_status(status::initial_status(&row));
+                schedule.at(0, id.clone());
                 groups.insert(
                     id,
                     Watched {
