@@ -357,25 +357,16 @@ pub async fn run_with_clouds(
                 schedule.at(guard.next_look(now), id);
                 continue;
             }
-            let (shared, row, version, turns) =
-                (shared.clone(), w.row.clone(), w.version, turns.clone());
-            tasks.spawn(async move {
-                let Ok(_turn) = turns.acquire_owned().await else {
-                    return (id, now);
-                };
-                // A panic is a bug: logged, and the group looked at again at
-                // the next tick (as a group that stays due).
-                match AssertUnwindSafe(group::run(shared, guard, row, version))
-                    .catch_unwind()
-                    .await
-                {
-                    Ok(next) => (id, next),
-                    Err(_) => {
-                        tracing::error!(group_id = %id, "a group evaluation panicked");
-                        (id, lbscale_engine::store::now_ms())
-                    }
-                }
-            });
+            let (row, version) = (w.row.clone(), w.version);
+            tasks.spawn(evaluation(
+                shared.clone(),
+                guard,
+                row,
+                version,
+                turns.clone(),
+                id,
+                now,
+            ));
         }
     }
 
@@ -409,6 +400,35 @@ pub async fn run_with_clouds(
     }
     tracing::info!("lbscale daemon stopped");
     Ok(())
+}
+
+/// One group's evaluation as the loop spawns it: it waits for a turn, runs
+/// [`group::run`], and gives back the group and when to look at it again.
+async fn evaluation(
+    shared: Arc<Shared>,
+    guard: tokio::sync::OwnedMutexGuard<group::GroupRuntime>,
+    row: Row<GroupSpec>,
+    version: i64,
+    turns: Arc<tokio::sync::Semaphore>,
+    id: String,
+    now: i64,
+) -> (String, i64) {
+    let Ok(_turn) = turns.acquire_owned().await else {
+        return (id, now);
+    };
+    // Boxed once it has its turn: the groups waiting for one (all of them at
+    // a start or a takeover) hold their arguments, not an evaluation's whole
+    // state (about 13 KiB each).
+    let run = Box::pin(group::run(shared, guard, row, version));
+    // A panic is a bug: logged, and the group looked at again at the next
+    // tick (as a group that stays due).
+    match AssertUnwindSafe(run).catch_unwind().await {
+        Ok(next) => (id, next),
+        Err(_) => {
+            tracing::error!(group_id = %id, "a group evaluation panicked");
+            (id, lbscale_engine::store::now_ms())
+        }
+    }
 }
 
 /// How often a daemon announces itself on the store, and how long an
@@ -511,4 +531,29 @@ fn rand_u16() -> u16 {
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     (t ^ (std::process::id() << 7)) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn future_of_7<A, B, C, D, E, F, G, Fut: Future>(_: fn(A, B, C, D, E, F, G) -> Fut) -> usize {
+        std::mem::size_of::<Fut>()
+    }
+
+    fn future_of_4<A, B, C, D, Fut: Future>(_: fn(A, B, C, D) -> Fut) -> usize {
+        std::mem::size_of::<Fut>()
+    }
+
+    /// Thousands of groups wait for a turn at once when a daemon starts or
+    /// takes over: each waiting task must not hold a whole evaluation.
+    #[test]
+    fn a_group_waiting_for_its_turn_holds_its_arguments_not_an_evaluation() {
+        let waiting = future_of_7(evaluation);
+        let evaluating = future_of_4(group::run);
+        assert!(
+            waiting * 8 < evaluating,
+            "a waiting group's task is {waiting} bytes, an evaluation {evaluating}"
+        );
+    }
 }
