@@ -700,7 +700,7 @@ async fn observe(
     let window = interval_of(&row.spec);
     let sampled = sample::sample(
         &mut rt.clients,
-        &shared.keeping,
+        &shared.node_connections,
         targets,
         token,
         &creds,

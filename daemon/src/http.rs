@@ -172,7 +172,7 @@ fn route(method: &str, target: &str, shared: &Shared) -> (u16, &'static str, Str
         "/metrics" => (
             200,
             PROM,
-            shared.metrics.render() + &crate::sample::render_kept(&shared.keeping),
+            shared.metrics.render() + &crate::sample::render_kept(&shared.node_connections.kept),
         ),
         "/v1/groups" => {
             let groups = shared.status_snapshot();

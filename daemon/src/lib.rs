@@ -125,8 +125,8 @@ pub struct Shared {
     /// it, as the loop last read them: this daemon's share is their quotient.
     daemons: AtomicUsize,
     groups: AtomicUsize,
-    /// The node connections kept between samples, across the groups.
-    pub(crate) keeping: Arc<lbscale_descriptors::Budget>,
+    /// The descriptors spent on node connections, across the groups.
+    pub(crate) node_connections: sample::NodeConnections,
 }
 
 impl Shared {
@@ -278,14 +278,14 @@ pub async fn run_with_clouds(
         claims: claims::Claims::default(),
         daemons: AtomicUsize::new(1),
         groups: AtomicUsize::new(0),
-        keeping: sample::keeping(),
+        node_connections: sample::NodeConnections::new(),
     });
     let mut announced: Option<std::time::Instant> = None;
     tracing::info!(
         listen = %cfg.listen,
         store = %shared.engine.store_location(),
         holder = %holder,
-        kept_node_connections = shared.keeping.limit(),
+        kept_node_connections = shared.node_connections.kept.limit(),
         "lbscale daemon started"
     );
     let http = tokio::spawn(http::serve(listener, shared.clone()));

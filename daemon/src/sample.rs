@@ -12,6 +12,7 @@ use lbscale_proto::NodeStats;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The API port of a node whose handle does not say.
 const DEFAULT_API_PORT: u16 = 9990;
@@ -27,18 +28,59 @@ const KEEP_GRPC_UP_TO: Duration = Duration::from_secs(15);
 /// be kept.
 const DESCRIPTORS_RESERVED: usize = 2048;
 
-/// The node connections the daemon keeps between samples, across its groups:
-/// a slot each, as many as the process's descriptors allow once its soft
-/// limit is raised to its hard one, less [`DESCRIPTORS_RESERVED`] or half of
-/// them, whichever is less. Each holds a descriptor and its TLS session (a
-/// few KiB); a node whose connection is kept costs a write and a read per
-/// sample instead of a TCP connection and a TLS handshake. Past the limit,
-/// new connections are closed after their sample.
-pub(crate) fn keeping() -> Arc<Budget> {
-    Budget::new(kept_within(raise_open_files_limit()))
+/// The descriptors the daemon spends on node connections, across its groups.
+pub(crate) struct NodeConnections {
+    /// The connections kept between samples: a slot each, as many as the
+    /// process's descriptors allow once its soft limit is raised to its hard
+    /// one, less [`DESCRIPTORS_RESERVED`] or half of them, whichever is less.
+    /// Each holds a descriptor and its TLS session (a few KiB); a node whose
+    /// connection is kept costs a write and a read per sample instead of a
+    /// TCP connection and a TLS handshake.
+    pub(crate) kept: Arc<Budget>,
+    /// Past that limit, a node gets a connection for one sample, closed after
+    /// it. Those open at once take half the reserve at most, so that many
+    /// large groups sampled together cannot take the descriptors of the store
+    /// and the listener: a dial waits for a place (within its call's timeout).
+    once: Arc<Semaphore>,
 }
 
-/// The two gauges of [`keeping`] in the Prometheus text exposition.
+impl NodeConnections {
+    pub(crate) fn new() -> NodeConnections {
+        NodeConnections::within(raise_open_files_limit())
+    }
+
+    fn within(open_files: usize) -> NodeConnections {
+        let kept = kept_within(open_files);
+        NodeConnections {
+            kept: Budget::new(kept),
+            once: Arc::new(Semaphore::new(((open_files - kept) / 2).max(1))),
+        }
+    }
+
+    /// The place of a new connection: a kept one while there is room, else a
+    /// place for one sample, waited for.
+    async fn place(&self) -> Place {
+        if let Some(slot) = self.kept.take(1) {
+            return Place::Kept(slot);
+        }
+        // `once` is never closed: an error cannot happen, and would only let
+        // the dial go ahead without a place.
+        Place::Once {
+            _permit: self.once.clone().acquire_owned().await.ok(),
+        }
+    }
+}
+
+/// Where a connection counts among [`NodeConnections`], given back when it
+/// is dropped (with the connection).
+enum Place {
+    Kept(Slot),
+    Once {
+        _permit: Option<OwnedSemaphorePermit>,
+    },
+}
+
+/// The two gauges of kept connections in the Prometheus text exposition.
 pub(crate) fn render_kept(keeping: &Budget) -> String {
     format!(
         "# HELP lbscale_node_connections_kept Node connections kept between samples.\n# TYPE lbscale_node_connections_kept gauge\nlbscale_node_connections_kept {}\n# HELP lbscale_node_connections_kept_limit The most node connections the daemon keeps (its descriptor limit less a reserve).\n# TYPE lbscale_node_connections_kept_limit gauge\nlbscale_node_connections_kept_limit {}\n",
@@ -143,12 +185,12 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// Asks every target for its statistics, concurrently, each bounded by
 /// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
 /// `window` (the group's stats interval). Connections are kept for the next
-/// evaluation while `keeping` has room ([`KEEP_GRPC_UP_TO`] for gRPC ones).
+/// evaluation while `conns` has room ([`KEEP_GRPC_UP_TO`] for gRPC ones).
 /// New connections show the group's engine credentials `creds` (kept by the
 /// group's runtime, not issued per connection).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
-    keeping: &Arc<Budget>,
+    conns: &NodeConnections,
     targets: Vec<Target>,
     token: &str,
     creds: &Arc<EngineCredentials>,
@@ -167,9 +209,10 @@ pub(crate) async fn sample(
             // A panic in one node's call (a bug its answer runs into) costs
             // that node's answer, not the evaluation: the other nodes' stats
             // still count, as when each call was a task of its own.
-            let call = std::panic::AssertUnwindSafe(stats_of(t, cached, token, creds, window))
-                .catch_unwind()
-                .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
+            let call =
+                std::panic::AssertUnwindSafe(stats_of(t, cached, conns, token, creds, window))
+                    .catch_unwind()
+                    .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
             // Boxed: a kept connection's socket holds the waker of the call
             // that last read it until the next sample, and with it that
             // call's task in `calls`; the task is then a pointer, not the
@@ -187,15 +230,10 @@ pub(crate) async fn sample(
     let mut answers = HashMap::new();
     while let Some((t, addr, r)) = calls.next().await {
         match r {
-            Ok((mut client, kept, stats)) => {
+            Ok((mut client, place, stats)) => {
                 let keep = client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO);
-                // A connection not kept gives its place back (`kept` dropped).
-                let place = match kept {
-                    Some(kept) if keep => Some(kept),
-                    None if keep => keeping.take(1),
-                    _ => None,
-                };
-                if let Some(_kept) = place {
+                // A connection not kept is closed here, and gives its place back.
+                if let (true, Place::Kept(_kept)) = (keep, place) {
                     client.probe_while_idle();
                     clients.insert(
                         t.id.clone(),
@@ -228,33 +266,38 @@ fn panicked(node: &str, panic: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// One target's statistics, over its kept connection when there is one (and
-/// that connection's slot in [`keeping`]).
+/// that connection's place), else over a new one in a place of `conns`.
 async fn stats_of(
     t: &Target,
     cached: Option<CachedClient>,
+    conns: &NodeConnections,
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(Box<StatsClient>, Option<Slot>, NodeStats), String> {
-    let mut kept = None;
+) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
+    let mut place = None;
     if let Some(c) = cached {
         let mut client = c.client;
         match client.stats_over(window).await {
-            Ok(stats) => return Ok((client, Some(c._kept), stats)),
+            Ok(stats) => return Ok((client, Place::Kept(c._kept), stats)),
             // The kept connection ended (the node restarted, or closed it
             // while idle): a new one, within the same timeout, in its place.
-            Err(NodeApiError::Unreachable { .. }) => kept = Some(c._kept),
+            Err(NodeApiError::Unreachable { .. }) => place = Some(Place::Kept(c._kept)),
             // The node answered: a new connection would hear the same.
             Err(e) => return Err(e.to_string()),
         }
     }
+    let place = match place {
+        Some(p) => p,
+        None => conns.place().await,
+    };
     let mut client = Box::new(
         StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
             .await
             .map_err(|e| e.to_string())?,
     );
     let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
-    Ok((client, kept, stats))
+    Ok((client, place, stats))
 }
 
 #[cfg(test)]
@@ -276,13 +319,44 @@ mod tests {
 
     #[test]
     fn the_descriptor_limit_leaves_a_reserve() {
-        let k = keeping();
+        let k = NodeConnections::new();
         assert_eq!(
-            k.limit(),
+            k.kept.limit(),
             kept_within(lbscale_descriptors::open_files_limit())
         );
         // A small limit still keeps half; a large one leaves the reserve.
         assert_eq!(kept_within(1024), 512);
         assert_eq!(kept_within(20_000), 17_952);
+    }
+
+    #[tokio::test]
+    async fn past_the_kept_connections_a_dial_waits_for_a_place_within_the_reserve() {
+        // 20 descriptors: 10 kept, and 5 for connections of one sample.
+        let conns = NodeConnections::within(20);
+        assert_eq!(conns.kept.limit(), 10);
+        let mut kept = Vec::new();
+        for _ in 0..10 {
+            kept.push(conns.place().await);
+        }
+        assert!(kept.iter().all(|p| matches!(p, Place::Kept(_))));
+        let mut once = Vec::new();
+        for _ in 0..5 {
+            once.push(conns.place().await);
+        }
+        assert!(once
+            .iter()
+            .all(|p| matches!(p, Place::Once { _permit: Some(_) })));
+        let waiting = tokio::time::timeout(Duration::from_millis(50), conns.place()).await;
+        assert!(waiting.is_err(), "a sixth dial waits for a place");
+        once.pop();
+        let next = tokio::time::timeout(Duration::from_secs(5), conns.place())
+            .await
+            .expect("a place given back is taken");
+        assert!(matches!(next, Place::Once { _permit: Some(_) }));
+        kept.pop();
+        assert!(
+            matches!(conns.place().await, Place::Kept(_)),
+            "a kept place given back is a kept place again"
+        );
     }
 }
