@@ -151,11 +151,11 @@ impl GroupRuntime {
     }
 
     /// From when (Unix ms) the loop looks at the group again: its requeue, or
-    /// at once (every tick) while an AZ's workflow runs whose end would make
-    /// the group due.
-    pub fn next_look(&self, now: i64) -> i64 {
+    /// [`NEXT_TICK`] while an AZ's workflow runs whose end would make the
+    /// group due.
+    pub fn next_look(&self) -> i64 {
         if !self.left_alone && self.workflows_in_flight() {
-            now
+            NEXT_TICK
         } else {
             self.next_eval_ms
         }
@@ -187,6 +187,10 @@ impl GroupRuntime {
         }
     }
 }
+
+/// A time the loop has reached whatever the wall clock says (stepped back or
+/// not): the group is looked at again at the next tick.
+pub const NEXT_TICK: i64 = i64::MIN;
 
 /// Gives up this daemon's claim on a group (shutdown, group gone).
 pub fn release_ownership(shared: &Shared, group_id: &str) {
@@ -223,7 +227,7 @@ pub async fn run(
         Err(e) => error_policy(&shared, &row, &mut rt, e),
     };
     rt.next_eval_ms = started + wait.as_millis() as i64 - LOOP_SLACK_MS;
-    rt.next_look(now_ms())
+    rt.next_look()
 }
 
 /// The one error policy: a failed evaluation is reported (log, metric,
@@ -851,13 +855,9 @@ mod tests {
         rt.next_eval_ms = 10_000;
         assert!(!rt.due(9_999));
         assert!(rt.due(10_000));
-        assert_eq!(
-            rt.next_look(5_000),
-            10_000,
-            "looked at again at its requeue"
-        );
+        assert_eq!(rt.next_look(), 10_000, "looked at again at its requeue");
         rt.left_alone = true;
-        assert_eq!(rt.next_look(5_000), 10_000);
+        assert_eq!(rt.next_look(), 10_000);
     }
 
     #[tokio::test]
@@ -867,7 +867,7 @@ mod tests {
         rt.next_eval_ms = 60_000;
         rt.azs
             .insert("az1".into(), crate::az::AzRuntime::scaling_out_until(ended));
-        assert_eq!(rt.next_look(5_000), 5_000, "looked at at the next tick");
+        assert_eq!(rt.next_look(), NEXT_TICK, "looked at at the next tick");
         assert!(!rt.due(5_000), "running: not due before its requeue");
         end.send(()).unwrap();
         for _ in 0..100 {
@@ -878,7 +878,7 @@ mod tests {
         }
         assert!(rt.due(5_000), "the workflow's end makes the group due");
         rt.left_alone = true;
-        assert_eq!(rt.next_look(5_000), 60_000, "left alone: at its requeue");
+        assert_eq!(rt.next_look(), 60_000, "left alone: at its requeue");
         assert!(!rt.due(5_000));
     }
 

@@ -1,9 +1,10 @@
 //! `lbscale daemon`: the sidecar that scales every group between applies.
 //!
 //! Level-triggered, in the shape of a controller. The daemon keeps its groups in
-//! memory; every tick (200 ms) it reads each group's row version and re-reads
-//! only the rows that changed (a Terraform apply that changes min/max or the
-//! thresholds takes effect at the next evaluation). A group that is due (its
+//! memory; every tick (200 ms) it reads one row, the groups' fingerprint, and
+//! when that changed (or every 30 s) lists the groups' row versions and
+//! re-reads only the rows that changed (a Terraform apply that changes min/max
+//! or the thresholds takes effect at the next evaluation). A group that is due (its
 //! requeue has come, or a workflow of one of its AZs ended) gets one evaluation,
 //! run as its own task; a group has at most one evaluation at a time (its
 //! runtime sits behind a mutex that the evaluation holds). A tick looks only at
@@ -354,7 +355,7 @@ pub async fn run_with_clouds(
                 continue;
             };
             if !guard.due(now) {
-                schedule.at(guard.next_look(now), id);
+                schedule.at(guard.next_look(), id);
                 continue;
             }
             let (row, version) = (w.row.clone(), w.version);
@@ -420,17 +421,19 @@ async fn evaluation(
     // a start or a takeover) hold their arguments, not an evaluation's whole
     // state (about 13 KiB each).
     let run = Box::pin(group::run(shared, guard, row, version));
-    // A panic is a bug: logged, and the group looked at again at the next
-    // tick (as a group that stays due).
+    // A panic is a bug: logged, and the group evaluated again a minute later
+    // (not at every tick: the same bug would panic five times a second).
     match AssertUnwindSafe(run).catch_unwind().await {
         Ok(next) => (id, next),
         Err(_) => {
             tracing::error!(group_id = %id, "a group evaluation panicked");
-            (id, lbscale_engine::store::now_ms())
+            (id, lbscale_engine::store::now_ms() + AFTER_PANIC_MS)
         }
     }
 }
 
+/// How long after a panicking evaluation its group is evaluated again.
+const AFTER_PANIC_MS: i64 = 60_000;
 /// How often a daemon announces itself on the store, and how long an
 /// announcement lasts: the others count a daemon that died for this long.
 const ANNOUNCE_EVERY: Duration = Duration::from_secs(2);
