@@ -9,6 +9,7 @@ use crate::claims::claim_ttl;
 use crate::metrics::{ResumeWait, VserverSpan};
 use crate::resume::{restore_az_state, ResumeBackoff};
 use crate::sample::{self, CachedClient, Sampled};
+use crate::smallmap::SmallMap;
 use crate::spans::{size_spans, span_target_cpu, SpanPolicy};
 use crate::status::{az_status, nodes_by_state};
 use crate::Shared;
@@ -21,7 +22,7 @@ use lbscale_engine::nodeapi::EngineCredentials;
 use lbscale_engine::reconcile::{GroupView, SpanView};
 use lbscale_engine::store::{now_ms, Lease, NodeState, PolicyStateRow, Row, StoreError};
 use lbscale_engine::EngineError;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedMutexGuard;
@@ -72,10 +73,10 @@ impl EvalError {
 /// state (persisted in the store after every step that changes it) and
 /// workflow, and a connection to each node's management API.
 pub struct GroupRuntime {
-    azs: BTreeMap<String, AzRuntime>,
+    azs: SmallMap<String, AzRuntime>,
     /// AZ states read from the store at the last resume, taken up by each AZ at
     /// its first step after it.
-    restored: BTreeMap<String, PolicyStateRow>,
+    restored: SmallMap<String, PolicyStateRow>,
     clients: HashMap<String, CachedClient>,
     /// The group's node API token (it never changes).
     token: Option<String>,
@@ -114,8 +115,8 @@ impl Default for GroupRuntime {
 impl GroupRuntime {
     pub fn new() -> GroupRuntime {
         GroupRuntime {
-            azs: BTreeMap::new(),
-            restored: BTreeMap::new(),
+            azs: SmallMap::new(),
+            restored: SmallMap::new(),
             clients: HashMap::new(),
             token: None,
             credentials: None,

@@ -2,6 +2,7 @@
 //! `/v1/groups`. Both are small maps behind a mutex, written by the group tasks
 //! and read by the HTTP listener.
 
+use crate::smallmap::SmallMap;
 use lbscale_core::policy::PhaseKind;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ struct Inner {
     /// (group, az) -> state -> nodes; replaced per AZ on every evaluation
     /// (keyed by AZ, so that an update touches its own entry, not every
     /// group's series).
-    nodes: BTreeMap<(String, String), BTreeMap<String, u64>>,
+    nodes: BTreeMap<(String, String), SmallMap<String, u64>>,
     /// (group, az) -> the last sample's (metric, value)s.
     samples: BTreeMap<(String, String), [(&'static str, f64); 3]>,
     /// (group, az, action) -> decisions taken.
@@ -59,7 +60,7 @@ impl Metrics {
         &self,
         group: &str,
         az: &str,
-        nodes: &BTreeMap<String, u64>,
+        nodes: &SmallMap<String, u64>,
         sample: Option<&SampleOut>,
     ) {
         let key = (group.to_string(), az.to_string());
@@ -298,10 +299,10 @@ pub struct AzStatus {
     /// Nodes in the cloud (the policy's count).
     pub provisioned: u32,
     /// Nodes by observed lifecycle state.
-    pub nodes: BTreeMap<String, u64>,
+    pub nodes: SmallMap<String, u64>,
     pub sample: Option<SampleOut>,
     /// Consecutive scale-out breaching samples, per metric.
-    pub out_streak: BTreeMap<&'static str, u32>,
+    pub out_streak: SmallMap<&'static str, u32>,
     /// Consecutive samples with every metric below its min.
     pub in_streak: u32,
     /// Unix ms when the phase's wait ends (cooldown, provisioning back-off, DNS

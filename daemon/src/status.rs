@@ -2,11 +2,11 @@
 
 use crate::metrics::{AzStatus, GroupStatus, RampingService, SampleOut, VserverSpan};
 use crate::resume::wait_ends_at;
+use crate::smallmap::SmallMap;
 use lbscale_core::policy::{AzState, Metric, PhaseKind};
 use lbscale_engine::model::GroupSpec;
 use lbscale_engine::reconcile::GroupView;
 use lbscale_engine::store::Row;
-use std::collections::BTreeMap;
 
 /// A group's status before its first evaluation.
 pub fn initial_status(row: &Row<GroupSpec>) -> GroupStatus {
@@ -27,10 +27,15 @@ pub fn initial_status(row: &Row<GroupSpec>) -> GroupStatus {
 }
 
 /// The AZ's nodes by lifecycle state.
-pub(crate) fn nodes_by_state(view: &GroupView, az: &str) -> BTreeMap<String, u64> {
-    let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
+pub(crate) fn nodes_by_state(view: &GroupView, az: &str) -> SmallMap<String, u64> {
+    let mut by_state = SmallMap::new();
     for n in view.nodes.iter().filter(|n| n.availability_zone == az) {
-        *by_state.entry(n.state.clone()).or_default() += 1;
+        match by_state.get_mut(n.state.as_str()) {
+            Some(count) => *count += 1,
+            None => {
+                by_state.insert(n.state.clone(), 1);
+            }
+        }
     }
     by_state
 }
@@ -39,7 +44,7 @@ pub(crate) fn nodes_by_state(view: &GroupView, az: &str) -> BTreeMap<String, u64
 pub(crate) fn az_status(
     az: &str,
     state: &AzState,
-    nodes: BTreeMap<String, u64>,
+    nodes: SmallMap<String, u64>,
     sample: Option<SampleOut>,
     slow_start: Vec<RampingService>,
     vserver_spans: Vec<VserverSpan>,

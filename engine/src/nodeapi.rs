@@ -130,14 +130,6 @@ fn client_config(
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<rustls::ClientConfig, String> {
-    // AES-128-GCM with SHA-256 first (the node follows the client's order):
-    // TLS 1.3's key schedule, a share of every resumed handshake, then runs
-    // on the CPU's SHA-256 instructions; SHA-384 has none.
-    let mut provider = rustls::crypto::ring::default_provider();
-    provider
-        .cipher_suites
-        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
-    let provider = Arc::new(provider);
     let mut roots = rustls::RootCertStore::empty();
     let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes())
         .map_err(|e| format!("the group CA's certificate: {e}"))?;
@@ -148,7 +140,7 @@ fn client_config(
         .map_err(|e| format!("the engine's certificate: {e}"))?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
         .map_err(|e| format!("the engine's key: {e}"))?;
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+    let mut config = rustls::ClientConfig::builder_with_provider(crypto_provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS protocol versions: {e}"))?
         .with_root_certificates(roots)
@@ -158,6 +150,24 @@ fn client_config(
     config.resumption =
         rustls::client::Resumption::store(Arc::new(sessions::NodeSessions::default()));
     Ok(config)
+}
+
+/// The engine's ciphers, one for every group (the daemon holds 10,000
+/// groups' configurations): AES-128-GCM with SHA-256 first (the node follows
+/// the client's order), as TLS 1.3's key schedule, a share of every resumed
+/// handshake, then runs on the CPU's SHA-256 instructions; SHA-384 has none.
+fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    static PROVIDER: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> =
+        std::sync::OnceLock::new();
+    PROVIDER
+        .get_or_init(|| {
+            let mut provider = rustls::crypto::ring::default_provider();
+            provider
+                .cipher_suites
+                .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+            Arc::new(provider)
+        })
+        .clone()
 }
 
 /// One HTTP/2 connection to a node's API, as the generated client calls it.
