@@ -58,7 +58,7 @@ pub mod metrics;
 pub mod resume;
 mod sample;
 mod schedule;
-mod smallmap;
+pub mod smallmap;
 mod spans;
 mod status;
 

@@ -152,10 +152,11 @@ fn client_config(
     Ok(config)
 }
 
-/// The engine's ciphers, one for every group (the daemon holds 10,000
-/// groups' configurations): AES-128-GCM with SHA-256 first (the node follows
-/// the client's order), as TLS 1.3's key schedule, a share of every resumed
-/// handshake, then runs on the CPU's SHA-256 instructions; SHA-384 has none.
+/// The engine's ciphers, one provider shared by every group's configuration
+/// (the daemon holds 10,000 of them). AES-128-GCM with SHA-256 comes first
+/// (the node follows the client's order): TLS 1.3's key schedule, a share of
+/// every resumed handshake, then runs on the CPU's SHA-256 instructions;
+/// SHA-384 has none.
 fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
     static PROVIDER: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> =
         std::sync::OnceLock::new();
