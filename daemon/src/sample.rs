@@ -275,20 +275,18 @@ async fn stats_of(
     creds: &Arc<EngineCredentials>,
     window: Duration,
 ) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
-    let mut place = None;
-    if let Some(c) = cached {
-        let mut client = c.client;
-        match client.stats_over(window).await {
-            Ok(stats) => return Ok((client, Place::Kept(c._kept), stats)),
-            // The kept connection ended (the node restarted, or closed it
-            // while idle): a new one, within the same timeout, in its place.
-            Err(NodeApiError::Unreachable { .. }) => place = Some(Place::Kept(c._kept)),
-            // The node answered: a new connection would hear the same.
-            Err(e) => return Err(e.to_string()),
+    let place = match cached {
+        Some(c) => {
+            let mut client = c.client;
+            match client.stats_over(window).await {
+                Ok(stats) => return Ok((client, Place::Kept(c._kept), stats)),
+                // The kept connection ended (the node restarted, or closed it
+                // while idle): a new one, within the same timeout, in its place.
+                Err(NodeApiError::Unreachable { .. }) => Place::Kept(c._kept),
+                // The node answered: a new connection would hear the same.
+                Err(e) => return Err(e.to_string()),
+            }
         }
-    }
-    let place = match place {
-        Some(p) => p,
         None => conns.place().await,
     };
     let mut client = Box::new(
