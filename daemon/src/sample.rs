@@ -18,6 +18,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 const DEFAULT_API_PORT: u16 = 9990;
 /// Longest wait for one node's statistics (connect + call).
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait for a place for a new connection, before the node's own
+/// [`STATS_TIMEOUT`] starts. Every place is given back within that timeout,
+/// so twice it lets a call through behind a whole round of dials to nodes
+/// that do not answer (an AZ gone dark), which hold their places to the end.
+const PLACE_WAIT: Duration = Duration::from_secs(4);
 /// A gRPC connection (to a node that does not offer the statistics call over
 /// HTTP/1.1, an older `lbscale-node`) is kept between samples up to this
 /// stats interval only: it holds tens of KiB while idle.
@@ -206,23 +211,12 @@ pub(crate) async fn sample(
         .map(|t| {
             let addr = format!("{}:{}", t.ip, t.port);
             let cached = clients.remove(&t.id).filter(|c| c.addr == addr);
-            // A panic in one node's call (a bug its answer runs into) costs
-            // that node's answer, not the evaluation: the other nodes' stats
-            // still count, as when each call was a task of its own.
-            let call =
-                std::panic::AssertUnwindSafe(stats_of(t, cached, conns, token, creds, window))
-                    .catch_unwind()
-                    .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
             // Boxed: a kept connection's socket holds the waker of the call
             // that last read it until the next sample, and with it that
             // call's task in `calls`; the task is then a pointer, not the
             // whole call (a few KiB per kept connection).
             Box::pin(async move {
-                let r = tokio::time::timeout(STATS_TIMEOUT, call)
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
-                    });
+                let r = ask(t, cached, conns, token, creds, window).await;
                 (t, addr, r)
             })
         })
@@ -265,9 +259,11 @@ fn panicked(node: &str, panic: Box<dyn std::any::Any + Send>) -> String {
     "the call panicked".to_string()
 }
 
-/// One target's statistics, over its kept connection when there is one (and
-/// that connection's place), else over a new one in a place of `conns`.
-async fn stats_of(
+/// One target's statistics: over its kept connection when there is one,
+/// else over a new one once `conns` gives it a place (waited for up to
+/// [`PLACE_WAIT`]). The node then has [`STATS_TIMEOUT`] to answer: the wait
+/// for a place is the daemon's, not the node's, and does not use up its time.
+async fn ask(
     t: &Target,
     cached: Option<CachedClient>,
     conns: &NodeConnections,
@@ -275,8 +271,49 @@ async fn stats_of(
     creds: &Arc<EngineCredentials>,
     window: Duration,
 ) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
-    let place = match cached {
-        Some(c) => {
+    let via = match cached {
+        Some(c) => Via::Kept(c),
+        None => Via::New(
+            tokio::time::timeout(PLACE_WAIT, conns.place())
+                .await
+                .map_err(|_| {
+                    format!(
+                        "no place for a new connection within {}s: the daemon's connections for one sample are all in use",
+                        PLACE_WAIT.as_secs()
+                    )
+                })?,
+        ),
+    };
+    // A panic in one node's call (a bug its answer runs into) costs that
+    // node's answer, not the evaluation: the other nodes' stats still count,
+    // as when each call was a task of its own.
+    let call = std::panic::AssertUnwindSafe(stats_of(t, via, token, creds, window))
+        .catch_unwind()
+        .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
+    tokio::time::timeout(STATS_TIMEOUT, call)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())))
+}
+
+/// How a stats call reaches its node.
+enum Via {
+    /// The connection kept from the last sample.
+    Kept(CachedClient),
+    /// A new connection, in this place.
+    New(Place),
+}
+
+/// One target's statistics over `via`. A kept connection that has ended is
+/// replaced by a new one in its place.
+async fn stats_of(
+    t: &Target,
+    via: Via,
+    token: &str,
+    creds: &Arc<EngineCredentials>,
+    window: Duration,
+) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
+    let place = match via {
+        Via::Kept(c) => {
             let mut client = c.client;
             match client.stats_over(window).await {
                 Ok(stats) => return Ok((client, Place::Kept(c._kept), stats)),
@@ -287,7 +324,7 @@ async fn stats_of(
                 Err(e) => return Err(e.to_string()),
             }
         }
-        None => conns.place().await,
+        Via::New(place) => place,
     };
     let mut client = Box::new(
         StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
@@ -355,6 +392,74 @@ mod tests {
         assert!(
             matches!(conns.place().await, Place::Kept(_)),
             "a kept place given back is a kept place again"
+        );
+    }
+
+    fn target(id: &str, port: u16) -> Target {
+        Target {
+            id: id.into(),
+            az: "a".into(),
+            ip: "127.0.0.1".into(),
+            port,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_node_that_waited_for_a_place_still_has_its_whole_time_to_answer() {
+        // 4 descriptors: 2 kept, both in use, and 1 for one sample.
+        let conns = NodeConnections::within(4);
+        let _kept = (conns.place().await, conns.place().await);
+        let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
+        // A dark node: the kernel takes the connection, nobody speaks TLS.
+        let dark = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dark_port = dark.local_addr().unwrap().port();
+        // A node that is down: its port refuses connections.
+        let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let down_port = down.local_addr().unwrap().port();
+        drop(down);
+        let (d, t) = (target("dark", dark_port), target("down", down_port));
+        let window = Duration::from_secs(60);
+        // The dark node's call takes the one place first and holds it to its
+        // timeout; the other waits for it, then dials.
+        let (dark_said, down_said) = tokio::join!(
+            ask(&d, None, &conns, "token", &creds, window),
+            ask(&t, None, &conns, "token", &creds, window),
+        );
+        let dark_said = dark_said.err().expect("the dark node does not answer");
+        assert!(dark_said.contains("within 2"), "it timed out: {dark_said}");
+        let down_said = down_said.err().expect("the down node does not answer");
+        assert!(
+            down_said.contains("refused"),
+            "after its wait for a place the call reached the node: {down_said}"
+        );
+        drop(dark);
+    }
+
+    #[tokio::test]
+    async fn a_call_that_finds_no_place_in_time_says_so() {
+        // Every place taken and none given back: the call gives up after
+        // its wait (4 s), without dialing.
+        let conns = NodeConnections::within(4);
+        let _taken = (
+            conns.place().await,
+            conns.place().await,
+            conns.place().await,
+        );
+        let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
+        let said = ask(
+            &target("n", 1),
+            None,
+            &conns,
+            "token",
+            &creds,
+            Duration::from_secs(60),
+        )
+        .await
+        .err()
+        .expect("no place, no call");
+        assert!(
+            said.contains("no place for a new connection within 4s"),
+            "{said}"
         );
     }
 }
