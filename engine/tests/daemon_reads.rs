@@ -205,5 +205,65 @@ store_test!(
         let (alone, cost) = counted(|| engine.stale_configurations("g3").unwrap());
         assert_eq!(alone, stale);
         assert_eq!(cost, 7);
+
+        // Two SE groups: each vserver is sized by its own SE group's bounds,
+        // in the order of the SE groups, then of the vservers in each (not
+        // of the vservers across them). Written out by hand, not read again.
+        store
+            .insert_se_group(
+                "se-4",
+                &SeGroupSpec {
+                    name: "reads-se-2".into(),
+                    min_scaleout_per_vs: 2,
+                    max_scaleout_per_vs: 2,
+                    ..store.se_group("se-3").unwrap().unwrap().spec
+                },
+            )
+            .unwrap();
+        store
+            .insert_vserver("vs-2", &vserver_spec("reads-vs-c", "se-4", "TCP", 18802))
+            .unwrap();
+        store
+            .insert_vserver("vs-3", &vserver_spec("reads-vs-d", "se-3", "TCP", 18803))
+            .unwrap();
+        // Past its SE group's max: held by 2.
+        store.set_vserver_span("vs-2", "az2", 5, None).unwrap();
+        let snap = rt.block_on(engine.group_snapshot("g3")).unwrap().unwrap();
+        let spans = engine.vserver_spans_in(&snap);
+        let seen: Vec<(String, String, u32, Vec<String>)> = spans
+            .iter()
+            .map(|s| (s.vserver.clone(), s.az.clone(), s.span, s.holders.clone()))
+            .collect();
+        // Nodes by AZ, oldest first: az1 n0, n3; az2 n1, n4; az3 n2, n5.
+        let held = |v: &str, az: &str, span: u32, nodes: &[usize]| {
+            let holders = nodes.iter().map(|i| format!("reads3-n{i}")).collect();
+            (v.to_string(), az.to_string(), span, holders)
+        };
+        let one_each = |v: &str| {
+            [
+                held(v, "az1", 1, &[0]),
+                held(v, "az2", 1, &[1]),
+                held(v, "az3", 1, &[2]),
+            ]
+        };
+        let mut expected = vec![
+            held("reads-vs-a", "az1", 2, &[0, 3]),
+            held("reads-vs-a", "az2", 1, &[1]),
+            held("reads-vs-a", "az3", 1, &[2]),
+        ];
+        expected.extend(one_each("reads-vs-b"));
+        expected.extend(one_each("reads-vs-d"));
+        expected.extend([
+            held("reads-vs-c", "az1", 2, &[0, 3]),
+            held("reads-vs-c", "az2", 2, &[1, 4]),
+            held("reads-vs-c", "az3", 2, &[2, 5]),
+        ]);
+        assert_eq!(seen, expected);
+        assert!(spans.iter().all(|s| (s.min, s.max)
+            == if s.vserver == "reads-vs-c" {
+                (2, 2)
+            } else {
+                (1, 3)
+            }));
     }
 );
