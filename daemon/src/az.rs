@@ -171,7 +171,7 @@ impl AzRuntime {
         ) {
             self.outcome = None;
         }
-        record_core_events(cx, &out.events);
+        record_core_events(cx, &out.events).await;
         let sample_text = seen
             .sample
             .as_ref()
@@ -253,7 +253,8 @@ impl AzRuntime {
                     let event = format!("{}_failed", kind.name());
                     shared
                         .engine
-                        .record_event(&id, Some(&az), &event, &e.to_string());
+                        .record_event(&id, Some(&az), &event, &e.to_string())
+                        .await;
                 }
             }
             Finished {
@@ -282,7 +283,7 @@ impl AzRuntime {
                     Ok(_) => Outcome::ScaledOut { at },
                     Err(_) => Outcome::ScaleOutFailed { at },
                 });
-                self.step_outcome(cx, at);
+                self.step_outcome(cx, at).await;
                 if !matches!(self.state.phase, Phase::Provisioning { .. }) {
                     self.outcome = None;
                 }
@@ -295,7 +296,7 @@ impl AzRuntime {
                     drained: at,
                     gone: at + 1,
                 });
-                self.step_outcome(cx, at + 1);
+                self.step_outcome(cx, at + 1).await;
                 if matches!(self.state.phase, Phase::Evaluating { .. }) {
                     self.outcome = None;
                 }
@@ -312,11 +313,11 @@ impl AzRuntime {
         }
     }
 
-    fn step_outcome(&mut self, cx: &AzCtx<'_>, at: u64) {
+    async fn step_outcome(&mut self, cx: &AzCtx<'_>, at: u64) {
         let obs = observation(None, self.outcome);
         let (next, out) = policy::step(cx.cfg, &self.state, &obs, at);
         self.state = next;
-        record_core_events(cx, &out.events);
+        record_core_events(cx, &out.events).await;
     }
 
     /// Writes the AZ's policy state under the daemon's claim on the group, if
@@ -383,7 +384,7 @@ fn observation(sample: Option<&SampleOut>, outcome: Option<Outcome>) -> Observat
 }
 
 /// Records the core's events that no engine workflow records itself.
-fn record_core_events(cx: &AzCtx<'_>, events: &[policy::Event]) {
+async fn record_core_events(cx: &AzCtx<'_>, events: &[policy::Event]) {
     for e in events {
         let kind = match e.kind {
             EventKind::CooldownEnd => "cooldown_end",
@@ -394,7 +395,8 @@ fn record_core_events(cx: &AzCtx<'_>, events: &[policy::Event]) {
         };
         cx.shared
             .engine
-            .record_event(cx.group_id, Some(cx.az), kind, &e.reason);
+            .record_event(cx.group_id, Some(cx.az), kind, &e.reason)
+            .await;
     }
 }
 

@@ -284,7 +284,7 @@ pub async fn evaluate(
     let cfg = policy(shared, rt, row, version)?;
     let interval = Duration::from_millis(cfg.stats_interval);
     let claim_ttl = claim_ttl(interval);
-    let Some(claim) = take_turn(shared, rt, row, claim_ttl)? else {
+    let Some(claim) = take_turn(shared, rt, row, claim_ttl).await? else {
         return Ok(Next::Requeue(interval));
     };
     let Some(snap) = snapshot(shared, id).await? else {
@@ -387,7 +387,7 @@ fn policy(
 /// The claim on the group when this daemon may act on it now; `None` when
 /// another daemon evaluates it (or should: this one holds its share). A claim
 /// this daemon holds surely (see [`crate::claims`]) costs no statement.
-fn take_turn(
+async fn take_turn(
     shared: &Shared,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
@@ -413,6 +413,7 @@ fn take_turn(
             let claim = shared
                 .engine
                 .daemon_claim(&row.id, &shared.holder, claim_ttl)
+                .await
                 .map_err(|e| EvalError::new("claim the group", e))?;
             if let Claim::Ours(l) = &claim {
                 shared.claims.insert(&row.id, l.clone(), claim_ttl, sent);
@@ -568,7 +569,7 @@ async fn resume(
     shared.metrics.workflow("resume", started.elapsed());
     shared.update_status(id, |s| s.in_flight = None);
     if let Err(e) = r {
-        return Err(resume_failed(shared, rt, row, &why, e));
+        return Err(resume_failed(shared, rt, row, &why, e).await);
     }
     rt.resume_backoff = rt.resume_backoff.succeeded();
     rt.resumed = true;
@@ -601,7 +602,7 @@ enum Resumed {
 }
 
 /// A failed resume: its back-off, event and status.
-fn resume_failed(
+async fn resume_failed(
     shared: &Shared,
     rt: &mut GroupRuntime,
     row: &Row<GroupSpec>,
@@ -620,15 +621,18 @@ fn resume_failed(
         (b.retry_at_ms - failed_at).max(0) as u64
     ));
     shared.metrics.resume_failed(&row.spec.name);
-    shared.engine.record_event(
-        &row.id,
-        None,
-        "resume_failed",
-        // The same words each time, so that repeats collapse into one event
-        // with a count; the failures in a row and the next try are in the
-        // group's status (`resume_backoff`).
-        &format!("resuming ({why}) failed: {e}"),
-    );
+    shared
+        .engine
+        .record_event(
+            &row.id,
+            None,
+            "resume_failed",
+            // The same words each time, so that repeats collapse into one event
+            // with a count; the failures in a row and the next try are in the
+            // group's status (`resume_backoff`).
+            &format!("resuming ({why}) failed: {e}"),
+        )
+        .await;
     shared.update_status(&row.id, |s| {
         s.resume_backoff = Some(ResumeWait {
             failures: b.failures,

@@ -142,10 +142,12 @@ impl Engine {
     /// daemon reads that in [`Engine::group_snapshot`]) nor keeps renewing the
     /// claim: the daemon renews all its claims together
     /// ([`Engine::renew_daemon_claims`]).
-    pub fn daemon_claim(&self, group_id: &str, daemon: &str, ttl: Duration) -> Result<Claim> {
+    /// Awaited on the store connection's thread, as the snapshot is.
+    pub async fn daemon_claim(&self, group_id: &str, daemon: &str, ttl: Duration) -> Result<Claim> {
         match self
             .store
-            .acquire_lease(&daemon_claim_key(group_id), daemon, ttl)
+            .acquire_lease_async(&daemon_claim_key(group_id), daemon, ttl)
+            .await
         {
             Ok(l) => Ok(Claim::Ours(l)),
             Err(StoreError::LeaseHeld { holder, .. }) => Ok(Claim::OtherDaemon { holder }),
@@ -274,9 +276,15 @@ impl Engine {
             .await?)
     }
 
-    /// Records an event of the group (of one AZ with `az`).
-    pub fn record_event(&self, group_id: &str, az: Option<&str>, kind: &str, reason: &str) {
-        if let Err(e) = self.store.record_event(group_id, az, kind, reason) {
+    /// Records an event of the group (of one AZ with `az`), awaited on the
+    /// store connection's thread. A failure is logged, not returned: the
+    /// event is lost, not the evaluation.
+    pub async fn record_event(&self, group_id: &str, az: Option<&str>, kind: &str, reason: &str) {
+        let recorded = self
+            .store
+            .record_event_async(group_id, az, kind, reason)
+            .await;
+        if let Err(e) = recorded {
             tracing::warn!(group = %group_id, kind, error = %e, "could not record an event");
         }
     }

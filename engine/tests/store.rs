@@ -73,6 +73,55 @@ store_test!(
     }
 );
 
+store_test!(
+    a_claim_and_an_event_awaited_on_a_runtime_are_the_blocking_calls_own,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        let key = daemon_claim_key("g1");
+        let ttl = Duration::from_secs(30);
+        let first = block_on(s.acquire_lease_async(&key, "daemon-a", ttl)).unwrap();
+        let again = block_on(s.acquire_lease_async(&key, "daemon-a", ttl)).unwrap();
+        assert_eq!(
+            (again.holder.as_str(), again.fence),
+            ("daemon-a", first.fence)
+        );
+        assert!(again.expires_ms >= first.expires_ms);
+        match block_on(s.acquire_lease_async(&key, "daemon-b", ttl)) {
+            Err(StoreError::LeaseHeld { holder, .. }) => assert_eq!(holder, "daemon-a"),
+            other => panic!("another daemon's claim is refused: {other:?}"),
+        }
+        // The blocking call sees the same claim.
+        assert!(matches!(
+            s.acquire_lease(&key, "daemon-b", ttl),
+            Err(StoreError::LeaseHeld { .. })
+        ));
+        assert!(matches!(
+            block_on(s.acquire_lease_async(&daemon_claim_key("gone"), "daemon-a", ttl)),
+            Err(StoreError::GroupGone(_))
+        ));
+
+        // An event again is one event with a count; another is a row of its own.
+        for _ in 0..2 {
+            block_on(s.record_event_async("g1", Some("az1"), "scale_out_failed", "no room"))
+                .unwrap();
+        }
+        block_on(s.record_event_async("g1", None, "resume_failed", "store down")).unwrap();
+        let events = s.events_of_group("g1", 10).unwrap();
+        let seen: Vec<(Option<&str>, &str, u64)> = events
+            .iter()
+            .map(|e| (e.az.as_deref(), e.kind.as_str(), e.count))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (Some("az1"), "scale_out_failed", 2),
+                (None, "resume_failed", 1)
+            ]
+        );
+    }
+);
+
 store_test!(a_writer_whose_claim_was_taken_over_is_refused, |ts| {
     let s = ts.open();
     group(&s, "g1");

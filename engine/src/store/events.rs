@@ -98,42 +98,26 @@ impl Store {
         kind: &str,
         reason: &str,
     ) -> Result<()> {
-        let now = self.now();
-        let keep = self.event_retention();
-        self.with(|c| {
-            let latest = c.one(
-                "SELECT id, az, kind, reason FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1",
-                vals![group_id],
-            )?;
-            let repeat = match latest {
-                Some(r) if r.opt_text(1)?.as_deref() == az && r.text(2)? == kind && r.text(3)? == reason => {
-                    Some(r.int(0)?)
-                }
-                _ => None,
-            };
-            match repeat {
-                Some(id) => c.execute(
-                    "UPDATE events SET count = count + 1, last_ms = ?2 WHERE id = ?1",
-                    vals![id, now],
-                )?,
-                None => c.execute(
-                    "INSERT INTO events (time_ms, last_ms, count, group_id, az, kind, reason)
-                     VALUES (?1, ?1, 1, ?2, ?3, ?4, ?5)",
-                    vals![now, group_id, az, kind, reason],
-                )?,
-            };
-            let oldest_kept = now.saturating_sub(keep.max_age.as_millis() as i64);
-            c.execute(
-                "DELETE FROM events WHERE group_id = ?1 AND last_ms < ?2",
-                vals![group_id, oldest_kept],
-            )?;
-            c.execute(
-                "DELETE FROM events WHERE group_id = ?1 AND id <= (
-                   SELECT id FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1 OFFSET ?2)",
-                vals![group_id, keep.max_per_group as i64],
-            )?;
-            Ok(())
+        let (now, keep) = (self.now(), self.event_retention());
+        self.with(|c| event_recorded_in(c, group_id, az, kind, reason, now, keep))
+    }
+
+    /// As [`Store::record_event`], for a caller on an async runtime (see
+    /// [`Store::with_async`]).
+    pub async fn record_event_async(
+        &self,
+        group_id: &str,
+        az: Option<&str>,
+        kind: &str,
+        reason: &str,
+    ) -> Result<()> {
+        let (now, keep) = (self.now(), self.event_retention());
+        let (group_id, az) = (group_id.to_string(), az.map(str::to_string));
+        let (kind, reason) = (kind.to_string(), reason.to_string());
+        self.with_async(move |c| {
+            event_recorded_in(c, &group_id, az.as_deref(), &kind, &reason, now, keep)
         })
+        .await
     }
     /// The most recent `limit` events of the group, oldest first.
     pub fn events_of_group(&self, group_id: &str, limit: usize) -> Result<Vec<Event>> {
@@ -161,4 +145,50 @@ impl Store {
         out.reverse();
         Ok(out)
     }
+}
+
+/// [`Store::record_event`]'s statements, on `c`, at `now` (the store's clock).
+fn event_recorded_in(
+    c: &mut dyn Db,
+    group_id: &str,
+    az: Option<&str>,
+    kind: &str,
+    reason: &str,
+    now: i64,
+    keep: EventRetention,
+) -> Result<()> {
+    let latest = c.one(
+        "SELECT id, az, kind, reason FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1",
+        vals![group_id],
+    )?;
+    let repeat = match latest {
+        Some(r)
+            if r.opt_text(1)?.as_deref() == az && r.text(2)? == kind && r.text(3)? == reason =>
+        {
+            Some(r.int(0)?)
+        }
+        _ => None,
+    };
+    match repeat {
+        Some(id) => c.execute(
+            "UPDATE events SET count = count + 1, last_ms = ?2 WHERE id = ?1",
+            vals![id, now],
+        )?,
+        None => c.execute(
+            "INSERT INTO events (time_ms, last_ms, count, group_id, az, kind, reason)
+             VALUES (?1, ?1, 1, ?2, ?3, ?4, ?5)",
+            vals![now, group_id, az, kind, reason],
+        )?,
+    };
+    let oldest_kept = now.saturating_sub(keep.max_age.as_millis() as i64);
+    c.execute(
+        "DELETE FROM events WHERE group_id = ?1 AND last_ms < ?2",
+        vals![group_id, oldest_kept],
+    )?;
+    c.execute(
+        "DELETE FROM events WHERE group_id = ?1 AND id <= (
+           SELECT id FROM events WHERE group_id = ?1 ORDER BY id DESC LIMIT 1 OFFSET ?2)",
+        vals![group_id, keep.max_per_group as i64],
+    )?;
+    Ok(())
 }

@@ -88,50 +88,21 @@ impl Store {
     /// other across holders: an apply never acts together with a daemon's
     /// workflow in one of the group's AZs, while workflows in two AZs may.
     pub fn acquire_lease(&self, group_id: &str, holder: &str, ttl: Duration) -> Result<Lease> {
-        let ttl_ms = ttl.as_millis() as i64;
-        let held = |holder: String, expires_in_ms: i64| StoreError::LeaseHeld {
-            group: group_id.into(),
-            holder,
-            expires_in_ms,
-        };
-        self.tx(|tx| {
-            // A lease of a group that is gone (destroyed between a workflow
-            // reading the group and taking its lease, or a daemon listing the
-            // groups and claiming one) is refused and leaves no row.
-            if let Some(group) = group_of_lease(group_id) {
-                if tx.one("SELECT 1 FROM groups WHERE id = ?1", vals![group])?.is_none() {
-                    return Err(StoreError::GroupGone(group.to_string()));
-                }
-            }
-            if let Some((h, left)) = conflicting_lease(tx, group_id, holder)? {
-                return Err(held(h, left));
-            }
-            // Taken in the statement itself, where the row is free, expired by
-            // the database's clock, or already this holder's.
-            let won = tx.one(
-                &format!(
-                    "INSERT INTO leases (group_id, holder, fence, expires_ms) VALUES (?1, ?2, 1, {NOW_MS} + ?3)
-                     ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder,
-                       fence = CASE WHEN leases.holder = excluded.holder THEN leases.fence ELSE leases.fence + 1 END,
-                       expires_ms = excluded.expires_ms
-                     WHERE leases.holder = excluded.holder OR leases.expires_ms <= {NOW_MS}
-                     RETURNING fence, expires_ms"
-                ),
-                vals![group_id, holder, ttl_ms],
-            )?;
-            match won {
-                Some(r) => Ok(Lease {
-                    group_id: group_id.into(),
-                    holder: holder.into(),
-                    fence: r.int(0)?,
-                    expires_ms: r.int(1)?,
-                }),
-                None => {
-                    let (h, left) = live_lease(tx, group_id)?.unwrap_or_default();
-                    Err(held(h, left))
-                }
-            }
-        })
+        self.tx(|tx| lease_taken_in(tx, group_id, holder, ttl))
+    }
+
+    /// As [`Store::acquire_lease`], for a caller on an async runtime (see
+    /// [`Store::tx_async`]): a daemon claims its groups so, thousands at its
+    /// start or a takeover, without a worker thread blocked per claim.
+    pub async fn acquire_lease_async(
+        &self,
+        group_id: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Lease> {
+        let (group_id, holder) = (group_id.to_string(), holder.to_string());
+        self.tx_async(move |tx| lease_taken_in(tx, &group_id, &holder, ttl))
+            .await
     }
 
     /// Announces daemon `holder` on the store for `ttl` (a lease
@@ -301,6 +272,55 @@ impl Store {
             )),
             Some((_, _, false)) => lost("it expired".into()),
             Some(_) => Ok(()),
+        }
+    }
+}
+
+/// [`Store::acquire_lease`]'s transaction, in `tx`.
+fn lease_taken_in(tx: &mut dyn Db, group_id: &str, holder: &str, ttl: Duration) -> Result<Lease> {
+    let ttl_ms = ttl.as_millis() as i64;
+    let held = |holder: String, expires_in_ms: i64| StoreError::LeaseHeld {
+        group: group_id.into(),
+        holder,
+        expires_in_ms,
+    };
+    // A lease of a group that is gone (destroyed between a workflow
+    // reading the group and taking its lease, or a daemon listing the
+    // groups and claiming one) is refused and leaves no row.
+    if let Some(group) = group_of_lease(group_id) {
+        if tx
+            .one("SELECT 1 FROM groups WHERE id = ?1", vals![group])?
+            .is_none()
+        {
+            return Err(StoreError::GroupGone(group.to_string()));
+        }
+    }
+    if let Some((h, left)) = conflicting_lease(tx, group_id, holder)? {
+        return Err(held(h, left));
+    }
+    // Taken in the statement itself, where the row is free, expired by
+    // the database's clock, or already this holder's.
+    let won = tx.one(
+        &format!(
+            "INSERT INTO leases (group_id, holder, fence, expires_ms) VALUES (?1, ?2, 1, {NOW_MS} + ?3)
+             ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder,
+               fence = CASE WHEN leases.holder = excluded.holder THEN leases.fence ELSE leases.fence + 1 END,
+               expires_ms = excluded.expires_ms
+             WHERE leases.holder = excluded.holder OR leases.expires_ms <= {NOW_MS}
+             RETURNING fence, expires_ms"
+        ),
+        vals![group_id, holder, ttl_ms],
+    )?;
+    match won {
+        Some(r) => Ok(Lease {
+            group_id: group_id.into(),
+            holder: holder.into(),
+            fence: r.int(0)?,
+            expires_ms: r.int(1)?,
+        }),
+        None => {
+            let (h, left) = live_lease(tx, group_id)?.unwrap_or_default();
+            Err(held(h, left))
         }
     }
 }

@@ -123,12 +123,14 @@ async fn scaling_outside_terraform_keeps_the_plan_empty_and_shows_in_the_data_so
     // Repeats of one event (as a resume that keeps failing records) are one
     // event with a count, in the data source and in `lbscale events`.
     for _ in 0..3 {
-        engine.record_event(
-            &group_id,
-            None,
-            "resume_failed",
-            "resuming (test) failed: test",
-        );
+        engine
+            .record_event(
+                &group_id,
+                None,
+                "resume_failed",
+                "resuming (test) failed: test",
+            )
+            .await;
     }
     let repeats = ws.outputs()["repeats"]["value"].clone();
     let repeats = repeats.as_array().unwrap();
