@@ -581,7 +581,6 @@ impl PgConn {
     }
 
     fn call(&mut self, req: Req) -> Result<Answer> {
-        count_statement();
         if self.stalled {
             return Err(StoreError::Unreachable(
                 "the PostgreSQL connection stalled earlier".into(),
@@ -591,6 +590,9 @@ impl PgConn {
         self.tx
             .send(Job::Call(req, reply_tx))
             .map_err(|_| thread_gone())?;
+        // Counted once handed to the connection's thread: a statement refused
+        // here (the ROLLBACK after a stall) never reaches the server.
+        count_statement();
         let reply = match reply_rx.recv_timeout(self.deadline) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => return Err(self.gave_up()),
@@ -1189,6 +1191,27 @@ fn scrub(message: &str, secret: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_statement_refused_on_a_stalled_connection_is_not_counted_as_sent() {
+        let test = "sqldb::a_statement_refused_on_a_stalled_connection_is_not_counted_as_sent";
+        let Some(url) = crate::store_testing::postgres_admin_url(test) else {
+            return;
+        };
+        let target = PgTarget::parse(&url).unwrap();
+        let pool = PgPool::new(target, PgLimits::new(Duration::from_secs(2)), "store");
+        let wait = Duration::from_secs(10);
+        let mut conn = pool.get(wait, wait).unwrap();
+        let before = statements_sent_here();
+        conn.batch("SELECT 1").unwrap();
+        assert_eq!(statements_sent_here() - before, 1);
+        // As after a call that outlived its deadline: the ROLLBACK that
+        // follows is refused at once, never sent.
+        conn.conn().stalled = true;
+        let before = statements_sent_here();
+        assert!(conn.batch("ROLLBACK").is_err());
+        assert_eq!(statements_sent_here(), before);
+    }
 
     #[test]
     fn a_password_with_a_raw_slash_or_question_mark_is_masked() {
