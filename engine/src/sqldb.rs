@@ -718,11 +718,9 @@ impl Serve for PgConn {
 pub(crate) struct PgPool {
     target: PgTarget,
     limits: PgLimits,
-    idle: Mutex<Vec<PgConn>>,
-    freed: Condvar,
-    /// As `freed`, for callers that wait on an async runtime ([`PgPool::get_async`]).
-    /// Also woken when a connection's thread ends (its slot is free).
-    freed_async: Arc<tokio::sync::Notify>,
+    /// Shared with the threads that open connections for [`PgPool::get_async`]:
+    /// a connection opened for a caller that stopped waiting is kept there.
+    idle: Arc<Idle>,
     threads: Arc<AtomicUsize>,
     /// Calls that got no answer by their deadline and still wait for it.
     stalls: Arc<AtomicUsize>,
@@ -735,9 +733,12 @@ impl PgPool {
         PgPool {
             target,
             limits,
-            idle: Mutex::new(Vec::new()),
-            freed: Condvar::new(),
-            freed_async: Arc::new(tokio::sync::Notify::new()),
+            idle: Arc::new(Idle {
+                conns: Mutex::new(Vec::new()),
+                freed: Condvar::new(),
+                freed_async: Arc::new(tokio::sync::Notify::new()),
+                timeout: limits.idle_timeout,
+            }),
             threads: Arc::new(AtomicUsize::new(0)),
             stalls: Arc::new(AtomicUsize::new(0)),
             name,
@@ -748,7 +749,7 @@ impl PgPool {
     /// calls waits at most `deadline` for its answer.
     pub fn get(&self, wait: Duration, deadline: Duration) -> Result<Pooled<'_>> {
         let until = Instant::now() + wait;
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle.conns.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(c) = self.take_idle(&mut idle, deadline) {
                 return Ok(c);
@@ -769,6 +770,7 @@ impl PgPool {
             // A stalled thread that ends does not signal: look again soon.
             let step = (until - now).min(Duration::from_millis(50));
             idle = self
+                .idle
                 .freed
                 .wait_timeout(idle, step)
                 .unwrap_or_else(|e| e.into_inner())
@@ -780,7 +782,8 @@ impl PgPool {
     /// caller on an async runtime: it waits for a free connection without
     /// holding a thread, at most `wait`, and opens a new one (if the pool has
     /// room) on a blocking-pool thread, within the connect timeout and a call
-    /// deadline as [`PgPool::get`] does. A burst of evaluations that finds
+    /// deadline as [`PgPool::get`] does; if the caller stops waiting
+    /// meanwhile, the new connection goes to the idle ones. A burst of evaluations that finds
     /// every connection busy waits here, not in threads of their own. The
     /// waiters are served about in the order they began to wait (a caller
     /// keeps its place in the queue of [`tokio::sync::Notify`] until it is
@@ -789,7 +792,7 @@ impl PgPool {
         let until = tokio::time::Instant::now() + wait;
         // Registered before each look, so that a connection given back
         // between the look and the wait is not missed.
-        let freed = self.freed_async.notified();
+        let freed = self.idle.freed_async.notified();
         tokio::pin!(freed);
         freed.as_mut().enable();
         loop {
@@ -797,16 +800,22 @@ impl PgPool {
                 return Ok(c);
             }
             if let Some(slot) = self.reserve() {
-                let (target, limits) = (self.target.clone(), self.limits);
-                let conn =
-                    tokio::task::spawn_blocking(move || PgConn::connect(&target, limits, slot))
-                        .await
-                        .map_err(|e| {
-                            StoreError::Sql(format!(
-                                "opening a connection of the {} pool to {}: {e}",
-                                self.name, self.target.redacted
-                            ))
-                        })??;
+                let (target, limits, idle) = (self.target.clone(), self.limits, self.idle.clone());
+                let (opened_tx, opened) = tokio::sync::oneshot::channel();
+                tokio::task::spawn_blocking(move || {
+                    let conn = PgConn::connect(&target, limits, slot);
+                    // The caller stopped waiting (its task was cancelled):
+                    // the connection is kept for the next one, not closed.
+                    if let Err(Ok(conn)) = opened_tx.send(conn) {
+                        idle.put(conn);
+                    }
+                });
+                let conn = opened.await.map_err(|_| {
+                    StoreError::Sql(format!(
+                        "opening a connection of the {} pool to {}: the thread opening it ended",
+                        self.name, self.target.redacted
+                    ))
+                })??;
                 return Ok(Pooled {
                     pool: self,
                     conn: Some(conn),
@@ -821,7 +830,7 @@ impl PgPool {
             // unless it was woken.
             let step = (until - now).min(Duration::from_millis(50));
             if tokio::time::timeout(step, freed.as_mut()).await.is_ok() {
-                freed.set(self.freed_async.notified());
+                freed.set(self.idle.freed_async.notified());
                 freed.as_mut().enable();
             }
         }
@@ -841,7 +850,7 @@ impl PgPool {
     /// for [`Pooled::run`]; each of its calls waits at most the pool's
     /// call deadline.
     fn idle_now(&self) -> Option<Pooled<'_>> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle.conns.lock().unwrap_or_else(|e| e.into_inner());
         self.take_idle(&mut idle, self.limits.call_deadline)
     }
 
@@ -870,25 +879,9 @@ impl PgPool {
             .map(|_| Slot {
                 threads: self.threads.clone(),
                 stalls: self.stalls.clone(),
-                freed: self.freed_async.clone(),
+                freed: self.idle.freed_async.clone(),
                 state: Arc::new(AtomicU8::new(RUNNING)),
             })
-    }
-
-    fn put(&self, mut c: PgConn) {
-        // A stalled connection, or one whose thread ended (a panic in a
-        // function run on it), is never used again.
-        if c.stalled || c.state.load(Ordering::SeqCst) == ENDED {
-            return;
-        }
-        c.idle_since = Instant::now();
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let timeout = self.limits.idle_timeout;
-        idle.retain(|c| c.idle_since.elapsed() < timeout);
-        idle.push(c);
-        drop(idle);
-        self.freed.notify_one();
-        self.freed_async.notify_one();
     }
 
     /// How many calls gave up waiting for the server and still wait: while
@@ -900,6 +893,35 @@ impl PgPool {
 
     pub fn limits(&self) -> PgLimits {
         self.limits
+    }
+}
+
+/// A pool's idle connections, most recently used last, and how a caller
+/// waiting for one is told that one is back.
+struct Idle {
+    conns: Mutex<Vec<PgConn>>,
+    freed: Condvar,
+    /// As `freed`, for callers that wait on an async runtime ([`PgPool::get_async`]).
+    /// Also woken when a connection's thread ends (its slot is free).
+    freed_async: Arc<tokio::sync::Notify>,
+    /// A connection idle longer than this is closed, not used again.
+    timeout: Duration,
+}
+
+impl Idle {
+    fn put(&self, mut c: PgConn) {
+        // A stalled connection, or one whose thread ended (a panic in a
+        // function run on it), is never used again.
+        if c.stalled || c.state.load(Ordering::SeqCst) == ENDED {
+            return;
+        }
+        c.idle_since = Instant::now();
+        let mut idle = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        idle.retain(|c| c.idle_since.elapsed() < self.timeout);
+        idle.push(c);
+        drop(idle);
+        self.freed.notify_one();
+        self.freed_async.notify_one();
     }
 }
 
@@ -926,7 +948,7 @@ impl Pooled<'_> {
 impl Drop for Pooled<'_> {
     fn drop(&mut self) {
         if let Some(c) = self.conn.take() {
-            self.pool.put(c);
+            self.pool.idle.put(c);
         }
     }
 }
@@ -1211,6 +1233,41 @@ mod tests {
         let before = statements_sent_here();
         assert!(conn.batch("ROLLBACK").is_err());
         assert_eq!(statements_sent_here(), before);
+    }
+
+    #[tokio::test]
+    async fn a_connection_opened_for_a_caller_that_stopped_waiting_is_kept() {
+        let test = "sqldb::a_connection_opened_for_a_caller_that_stopped_waiting_is_kept";
+        let Some(url) = crate::store_testing::postgres_admin_url(test) else {
+            return;
+        };
+        let target = PgTarget::parse(&url).unwrap();
+        let pool = PgPool::new(target, PgLimits::new(Duration::from_secs(2)), "store");
+        let wait = Duration::from_secs(10);
+        // Polled once (no idle connection: it starts opening one), then
+        // dropped, as an evaluation cancelled while it waits.
+        let mut caller = Box::pin(pool.get_async(wait));
+        tokio::select! {
+            biased;
+            _ = &mut caller => panic!("a new connection cannot be open at the first poll"),
+            _ = std::future::ready(()) => {}
+        }
+        drop(caller);
+        assert_eq!(
+            pool.threads.load(Ordering::SeqCst),
+            1,
+            "one connection opening"
+        );
+        let until = Instant::now() + wait;
+        while pool.idle.conns.lock().unwrap().is_empty() {
+            assert!(Instant::now() < until, "no connection kept within {wait:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The next caller takes it: no second connection.
+        let mut next = pool.get_async(wait).await.unwrap();
+        let answered = next.run(|db| db.one("SELECT 1", &[]).map(|r| r.is_some()));
+        assert!(answered.await.unwrap());
+        assert_eq!(pool.threads.load(Ordering::SeqCst), 1);
     }
 
     #[test]
