@@ -142,7 +142,8 @@ impl Engine {
     /// daemon reads that in [`Engine::group_snapshot`]) nor keeps renewing the
     /// claim: the daemon renews all its claims together
     /// ([`Engine::renew_daemon_claims`]).
-    /// Awaited on the store connection's thread, as the snapshot is.
+    /// On PostgreSQL, awaited on the store connection's thread, as the
+    /// snapshot is; on SQLite, as the blocking call.
     pub async fn daemon_claim(&self, group_id: &str, daemon: &str, ttl: Duration) -> Result<Claim> {
         match self
             .store
@@ -277,8 +278,9 @@ impl Engine {
     }
 
     /// Records an event of the group (of one AZ with `az`), awaited on the
-    /// store connection's thread. A failure is logged, not returned: the
-    /// event is lost, not the evaluation.
+    /// store connection's thread on PostgreSQL (on SQLite, as the blocking
+    /// call). A failure is logged, not returned: the event is lost, not the
+    /// evaluation.
     pub async fn record_event(&self, group_id: &str, az: Option<&str>, kind: &str, reason: &str) {
         let recorded = self
             .store
