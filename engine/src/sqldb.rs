@@ -810,9 +810,13 @@ impl PgPool {
                         idle.put(conn);
                     }
                 });
-                let conn = opened.await.map_err(|_| {
+                let mut opening = Opening {
+                    opened,
+                    idle: self.idle.clone(),
+                };
+                let conn = (&mut opening.opened).await.map_err(|_| {
                     StoreError::Sql(format!(
-                        "opening a connection of the {} pool to {}: the thread opening it ended",
+                        "opening a connection of the {} pool to {}: the thread opening it ended before it answered (it panicked, or the runtime is shutting down)",
                         self.name, self.target.redacted
                     ))
                 })??;
@@ -858,7 +862,7 @@ impl PgPool {
     /// than the idle timeout are dropped), its calls bounded by `deadline`.
     fn take_idle(&self, idle: &mut Vec<PgConn>, deadline: Duration) -> Option<Pooled<'_>> {
         while let Some(mut c) = idle.pop() {
-            if c.idle_since.elapsed() < self.limits.idle_timeout {
+            if c.idle_since.elapsed() < self.idle.timeout {
                 c.deadline = deadline;
                 return Some(Pooled {
                     pool: self,
@@ -922,6 +926,25 @@ impl Idle {
         drop(idle);
         self.freed.notify_one();
         self.freed_async.notify_one();
+    }
+}
+
+/// A connection being opened for [`PgPool::get_async`]'s caller. Dropped
+/// with the caller before the caller took it (sent just before the caller
+/// was cancelled), the connection goes to the idle ones, as one the opening
+/// thread could not send does.
+struct Opening {
+    opened: tokio::sync::oneshot::Receiver<Result<PgConn>>,
+    idle: Arc<Idle>,
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        // Closed first: from then on the thread keeps what it has not sent.
+        self.opened.close();
+        if let Ok(Ok(conn)) = self.opened.try_recv() {
+            self.idle.put(conn);
+        }
     }
 }
 
@@ -1214,14 +1237,25 @@ fn scrub(message: &str, secret: Option<&str>) -> String {
 mod tests {
     use super::*;
 
+    /// A pool on the tests' PostgreSQL server, if there is one (a printed
+    /// skip otherwise, see [`crate::store_testing::postgres_admin_url`]).
+    fn test_pool(test: &str) -> Option<PgPool> {
+        let url = crate::store_testing::postgres_admin_url(test)?;
+        let target = PgTarget::parse(&url).unwrap();
+        Some(PgPool::new(
+            target,
+            PgLimits::new(Duration::from_secs(2)),
+            "store",
+        ))
+    }
+
     #[test]
     fn a_statement_refused_on_a_stalled_connection_is_not_counted_as_sent() {
-        let test = "sqldb::a_statement_refused_on_a_stalled_connection_is_not_counted_as_sent";
-        let Some(url) = crate::store_testing::postgres_admin_url(test) else {
+        let Some(pool) =
+            test_pool("sqldb::a_statement_refused_on_a_stalled_connection_is_not_counted_as_sent")
+        else {
             return;
         };
-        let target = PgTarget::parse(&url).unwrap();
-        let pool = PgPool::new(target, PgLimits::new(Duration::from_secs(2)), "store");
         let wait = Duration::from_secs(10);
         let mut conn = pool.get(wait, wait).unwrap();
         let before = statements_sent_here();
@@ -1237,12 +1271,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_opened_for_a_caller_that_stopped_waiting_is_kept() {
-        let test = "sqldb::a_connection_opened_for_a_caller_that_stopped_waiting_is_kept";
-        let Some(url) = crate::store_testing::postgres_admin_url(test) else {
+        let Some(pool) =
+            test_pool("sqldb::a_connection_opened_for_a_caller_that_stopped_waiting_is_kept")
+        else {
             return;
         };
-        let target = PgTarget::parse(&url).unwrap();
-        let pool = PgPool::new(target, PgLimits::new(Duration::from_secs(2)), "store");
         let wait = Duration::from_secs(10);
         // Polled once (no idle connection: it starts opening one), then
         // dropped, as an evaluation cancelled while it waits.
@@ -1268,6 +1301,17 @@ mod tests {
         let answered = next.run(|db| db.one("SELECT 1", &[]).map(|r| r.is_some()));
         assert!(answered.await.unwrap());
         assert_eq!(pool.threads.load(Ordering::SeqCst), 1);
+
+        // Sent to the caller just before it was cancelled: kept all the same.
+        let conn = next.conn.take().expect("a connection");
+        assert!(pool.idle.conns.lock().unwrap().is_empty());
+        let (sent, opened) = tokio::sync::oneshot::channel();
+        assert!(sent.send(Ok(conn)).is_ok());
+        drop(Opening {
+            opened,
+            idle: pool.idle.clone(),
+        });
+        assert_eq!(pool.idle.conns.lock().unwrap().len(), 1);
     }
 
     #[test]

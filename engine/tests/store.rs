@@ -74,7 +74,7 @@ store_test!(
 );
 
 store_test!(
-    a_claim_and_an_event_awaited_on_a_runtime_are_the_blocking_calls_own,
+    claims_and_events_awaited_on_a_runtime_match_the_blocking_calls,
     |ts| {
         let s = ts.open();
         group(&s, "g1");
