@@ -406,6 +406,16 @@ mod tests {
         }
     }
 
+    /// Why `t`, with no kept connection, gave no statistics.
+    async fn failed_ask(t: Target, conns: &NodeConnections) -> String {
+        let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
+        let window = Duration::from_secs(60);
+        match ask(&t, None, conns, "token", &creds, window).await {
+            Ok(_) => panic!("{} answered", t.id),
+            Err(why) => why,
+        }
+    }
+
     #[tokio::test]
     async fn a_node_that_waited_for_a_place_still_has_its_whole_time_to_answer() {
         // 4 descriptors: 2 kept and 1 for one sample, all in use; the one
@@ -419,22 +429,11 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(2_500)).await;
             drop(once);
         });
-        let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
         // A node that is down: its port refuses connections.
         let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = down.local_addr().unwrap().port();
         drop(down);
-        let said = ask(
-            &target("down", port),
-            None,
-            &conns,
-            "token",
-            &creds,
-            Duration::from_secs(60),
-        )
-        .await
-        .err()
-        .expect("the down node does not answer");
+        let said = failed_ask(target("down", port), &conns).await;
         assert!(
             said.contains("refused"),
             "after its wait for a place the call reached the node: {said}"
@@ -452,18 +451,7 @@ mod tests {
             conns.place().await,
             conns.place().await,
         );
-        let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
-        let said = ask(
-            &target("n", 1),
-            None,
-            &conns,
-            "token",
-            &creds,
-            Duration::from_secs(60),
-        )
-        .await
-        .err()
-        .expect("no place, no call");
+        let said = failed_ask(target("n", 1), &conns).await;
         assert!(
             said.contains("no place for a new connection within 4s"),
             "{said}"
