@@ -33,6 +33,12 @@ const MAX_BODY: usize = 4 << 20;
 /// How long a request's head may take once its first byte is in.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEADERS: usize = 32;
+/// After a bad request's answer, what its client still sends is read and
+/// dropped, this much at most and for this long at most, before the
+/// connection closes: closed with unread data, it would be reset, and a
+/// reset can cost the client the answer that says what was wrong.
+const LINGER_BYTES: usize = 64 * 1024;
+const LINGER_TIME: Duration = Duration::from_secs(2);
 
 /// The request for the statistics over the last `window`.
 pub fn request(host: &str, window: Duration, authorization: &str) -> Vec<u8> {
@@ -283,6 +289,7 @@ where
                 }
             }
         };
+        let bad = matches!(parsed, Head::Bad(..));
         let (out, close) = match parsed {
             Head::Bad(status, why) => (response(status, "text/plain", why.as_bytes(), true), true),
             Head::Asked { asked, close } => match handle(asked).await {
@@ -305,6 +312,9 @@ where
         })??;
         if close {
             let _ = tokio::time::timeout(HEAD_TIMEOUT, io.shutdown()).await;
+            if bad {
+                linger(&mut io).await;
+            }
             return Ok(());
         }
         buf.drain(..used);
@@ -312,6 +322,23 @@ where
             buf = Vec::new();
         }
     }
+}
+
+/// Reads and drops what the client still sends after a bad request's answer
+/// (see [`LINGER_BYTES`]), until it closes, fails, or the limits are reached.
+async fn linger<S: AsyncRead + Unpin>(io: &mut S) {
+    // On the heap: a buffer in the future would grow every kept connection's.
+    let mut scratch = vec![0u8; 4096];
+    let mut left = LINGER_BYTES;
+    let _ = tokio::time::timeout(LINGER_TIME, async {
+        while left > 0 {
+            match io.read(&mut scratch).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    })
+    .await;
 }
 
 #[cfg(test)]
@@ -452,6 +479,44 @@ mod tests {
             .unwrap();
         assert_eq!(a.status, 408);
         assert!(String::from_utf8_lossy(&a.body).contains("within 300ms"));
+        server.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_head_too_large_is_answered_and_closed_without_a_reset() {
+        // Over TCP: only a real socket is reset when closed with unread data.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.unwrap();
+            serve(conn, Duration::from_secs(60), |_: Asked| async {
+                Reply::Refused(500, "no request gets this far".into())
+            })
+            .await
+        });
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // A head four times the limit: most of it is never parsed.
+        let mut head = format!("GET {PATH} HTTP/1.1\r\nx-junk: ").into_bytes();
+        head.resize(4 * MAX_HEAD, b'a');
+        client.write_all(&head).await.unwrap();
+        // The server has answered and closed its side by now; a client that
+        // is still sending must not be reset (its write would fail, and it
+        // would never read the answer).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        client
+            .write_all(&[b'a'; 1024])
+            .await
+            .expect("still sending after the answer");
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer))
+            .await
+            .expect("the answer and the end of the connection within 10 s");
+        // The whole answer, then the end of the stream, not a reset.
+        assert!(read.is_ok(), "{read:?}");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+        assert!(text.contains("over 8192 bytes"), "{text}");
+        drop(client);
         server.await.unwrap().unwrap();
     }
 
