@@ -93,7 +93,10 @@ impl StatsCall {
                 if !ok {
                     return stats_http::Reply::Refused(401, NO_TOKEN.into());
                 }
-                stats_http::Reply::Stats(call.node.stats(asked.window).await)
+                match call.node.stats_within(asked.window).await {
+                    Ok(stats) => stats_http::Reply::Stats(stats),
+                    Err(why) => stats_http::Reply::Refused(503, why),
+                }
             }
         })
         .await
@@ -148,7 +151,10 @@ impl NodeApi for Api {
 
     async fn get_stats(&self, req: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let window = Duration::from_millis(req.into_inner().window_ms);
-        Ok(Response::new(self.node.stats(window).await))
+        match self.node.stats_within(window).await {
+            Ok(stats) => Ok(Response::new(stats)),
+            Err(why) => Err(Status::unavailable(why)),
+        }
     }
 }
 
