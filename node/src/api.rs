@@ -93,10 +93,7 @@ impl StatsCall {
                 if !ok {
                     return stats_http::Reply::Refused(401, NO_TOKEN.into());
                 }
-                match call.node.stats_within(asked.window).await {
-                    Ok(stats) => stats_http::Reply::Stats(stats),
-                    Err(why) => stats_http::Reply::Refused(503, why),
-                }
+                stats_http::Reply::Stats(call.node.stats(asked.window).await)
             }
         })
         .await
@@ -151,10 +148,7 @@ impl NodeApi for Api {
 
     async fn get_stats(&self, req: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let window = Duration::from_millis(req.into_inner().window_ms);
-        match self.node.stats_within(window).await {
-            Ok(stats) => Ok(Response::new(stats)),
-            Err(why) => Err(Status::unavailable(why)),
-        }
+        Ok(Response::new(self.node.stats(window).await))
     }
 }
 

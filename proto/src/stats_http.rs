@@ -158,7 +158,6 @@ fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         431 => "Request Header Fields Too Large",
-        503 => "Service Unavailable",
         _ => "Error",
     }
 }

@@ -14,11 +14,6 @@ use crate::model::VsState;
 use crate::service::{ServiceRt, SvcEntry};
 use crate::window::Snapshot;
 
-/// Longest a statistics call waits for the node's figures: they wait for a
-/// configuration being applied. Past it the caller hears why, rather than
-/// running into its own timeout (the daemon gives a node 2 s).
-pub const STATS_DEADLINE: Duration = Duration::from_millis(1500);
-
 /// A service's counters, as every statistics entry has them.
 fn counters(vserver: &str, rt: &ServiceRt) -> ServiceStats {
     ServiceStats {
@@ -119,18 +114,6 @@ impl Node {
         window.snapshot(t_ns, reading, bytes)
     }
 
-    /// [`Node::stats`] within [`STATS_DEADLINE`], or why not.
-    pub async fn stats_within(&self, window: Duration) -> Result<NodeStats, String> {
-        tokio::time::timeout(STATS_DEADLINE, self.stats(window))
-            .await
-            .map_err(|_| {
-                format!(
-                    "the node's statistics were not ready within {} ms: a configuration is being applied",
-                    STATS_DEADLINE.as_millis()
-                )
-            })
-    }
-
     /// The statistics, CPU, memory and throughput as their means over the
     /// last `window` (zero: the last second; see `crate::window`).
     pub async fn stats(&self, window: Duration) -> NodeStats {
@@ -208,24 +191,4 @@ fn sample_rates(rt: &ServiceRt, dt: f64) {
         0.0
     };
     rt.avg_ms_bits.store(avg.to_bits(), Ordering::Relaxed);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::usage::Source;
-
-    #[tokio::test]
-    async fn statistics_not_ready_by_their_deadline_say_why() {
-        let ip = "127.0.0.1".parse().unwrap();
-        let node = Node::new("n1".into(), ip, Source::Instance, Default::default());
-        let window = Duration::from_secs(60);
-        assert_eq!(node.stats_within(window).await.unwrap().node_id, "n1");
-        // As while a configuration is applied (it holds the listeners).
-        let applying = node.inner.lock().await;
-        let why = node.stats_within(window).await.unwrap_err();
-        assert!(why.contains("a configuration is being applied"), "{why}");
-        drop(applying);
-        assert!(node.stats_within(window).await.is_ok());
-    }
 }
