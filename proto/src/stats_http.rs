@@ -312,7 +312,9 @@ where
         })??;
         if close {
             let _ = tokio::time::timeout(HEAD_TIMEOUT, io.shutdown()).await;
-            if bad {
+            // A bad request, or requests sent after the one that closes:
+            // the client may still be sending.
+            if bad || buf.len() > used {
                 linger(&mut io).await;
             }
             return Ok(());
