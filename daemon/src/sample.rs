@@ -224,22 +224,25 @@ pub(crate) async fn sample(
         })
         .collect();
     let mut answers = HashMap::new();
-    while let Some((t, addr, r)) = calls.next().await {
-        match r {
-            Ok((mut client, place, stats)) => {
-                let keep = client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO);
-                // A connection not kept is closed here, and gives its place back.
-                if let (true, Place::Kept(_kept)) = (keep, place) {
-                    client.probe_while_idle();
-                    clients.insert(
-                        t.id.clone(),
-                        CachedClient {
-                            addr,
-                            client,
-                            _kept,
-                        },
-                    );
-                }
+    while let Some((t, addr, Asked { conn, answer })) = calls.next().await {
+        // Kept whatever the answer, a refusal too, while it can carry the
+        // next call; a connection not kept is closed here, and gives its
+        // place back.
+        if let Some((mut client, Place::Kept(_kept))) = conn {
+            if client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO) {
+                client.probe_while_idle();
+                clients.insert(
+                    t.id.clone(),
+                    CachedClient {
+                        addr,
+                        client,
+                        _kept,
+                    },
+                );
+            }
+        }
+        match answer {
+            Ok(stats) => {
                 answers.insert(t.id.clone(), stats);
             }
             Err(e) => tracing::debug!(node = %t.id, error = %e, "no statistics from node"),
@@ -272,29 +275,45 @@ async fn ask(
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
+) -> Asked {
     let via = match cached {
         Some(c) => Via::Kept(c),
-        None => Via::New(
-            tokio::time::timeout(PLACE_WAIT, conns.place())
-                .await
-                .map_err(|_| {
-                    format!(
-                        "no place for a new connection within {}s: the daemon's connections for one sample are all in use",
-                        PLACE_WAIT.as_secs()
-                    )
-                })?,
-        ),
+        None => match tokio::time::timeout(PLACE_WAIT, conns.place()).await {
+            Ok(place) => Via::New(place),
+            Err(_) => {
+                return Asked::failed(format!(
+                    "no place for a new connection within {}s: the daemon's connections for one sample are all in use",
+                    PLACE_WAIT.as_secs()
+                ))
+            }
+        },
     };
     // A panic in one node's call (a bug its answer runs into) costs that
     // node's answer, not the evaluation: the other nodes' stats still count,
     // as when each call was a task of its own.
     let call = std::panic::AssertUnwindSafe(stats_of(t, via, token, creds, window))
         .catch_unwind()
-        .map(|r| r.unwrap_or_else(|panic| Err(panicked(&t.id, panic))));
+        .map(|r| r.unwrap_or_else(|panic| Asked::failed(panicked(&t.id, panic))));
     tokio::time::timeout(STATS_TIMEOUT, call)
         .await
-        .unwrap_or_else(|_| Err(format!("no answer within {}s", STATS_TIMEOUT.as_secs())))
+        .unwrap_or_else(|_| Asked::failed(format!("no answer within {}s", STATS_TIMEOUT.as_secs())))
+}
+
+/// What one stats call gave: the node's answer, and the connection it went
+/// over while that connection can carry another call (its place with it).
+struct Asked {
+    conn: Option<(Box<StatsClient>, Place)>,
+    answer: Result<NodeStats, String>,
+}
+
+impl Asked {
+    /// No answer, and no connection left.
+    fn failed(why: String) -> Asked {
+        Asked {
+            conn: None,
+            answer: Err(why),
+        }
+    }
 }
 
 /// How a stats call reaches its node.
@@ -313,28 +332,35 @@ async fn stats_of(
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Result<(Box<StatsClient>, Place, NodeStats), String> {
+) -> Asked {
     let place = match via {
         Via::Kept(c) => {
             let mut client = c.client;
             match client.stats_over(window).await {
-                Ok(stats) => return Ok((client, Place::Kept(c._kept), stats)),
                 // The kept connection ended (the node restarted, or closed it
                 // while idle): a new one, within the same timeout, in its place.
                 Err(NodeApiError::Unreachable { .. }) => Place::Kept(c._kept),
-                // The node answered: a new connection would hear the same.
-                Err(e) => return Err(e.to_string()),
+                // The node answered (a refusal too: a new connection would
+                // hear the same).
+                answer => {
+                    return Asked {
+                        conn: Some((client, Place::Kept(c._kept))),
+                        answer: answer.map_err(|e| e.to_string()),
+                    }
+                }
             }
         }
         Via::New(place) => place,
     };
-    let mut client = Box::new(
-        StatsClient::connect(creds, &t.ip, t.port, &t.id, token)
-            .await
-            .map_err(|e| e.to_string())?,
-    );
-    let stats = client.stats_over(window).await.map_err(|e| e.to_string())?;
-    Ok((client, place, stats))
+    let mut client = match StatsClient::connect(creds, &t.ip, t.port, &t.id, token).await {
+        Ok(c) => Box::new(c),
+        Err(e) => return Asked::failed(e.to_string()),
+    };
+    let answer = client.stats_over(window).await.map_err(|e| e.to_string());
+    Asked {
+        conn: Some((client, place)),
+        answer,
+    }
 }
 
 #[cfg(test)]
@@ -406,11 +432,102 @@ mod tests {
         }
     }
 
+    /// A node's statistics over HTTP/1.1 and TLS, served as a node serves
+    /// them, on 127.0.0.1: its first two calls refused (503, the connection
+    /// kept open), the others answered. Counts the connections it accepts.
+    async fn refusing_twice(secret: &str, id: &str) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let node = lbscale_engine::nodeapi::auth::node_credentials(secret, id).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(node.ca_pem.as_bytes()).unwrap())
+            .unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .unwrap();
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(
+                vec![CertificateDer::from_pem_slice(node.cert_pem.as_bytes()).unwrap()],
+                PrivateKeyDer::from_pem_slice(node.key_pem.as_bytes()).unwrap(),
+            )
+            .unwrap();
+        config.alpn_protocols = vec![lbscale_proto::stats_http::ALPN.to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (accepted, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let counted = accepted.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let (acceptor, calls, id) = (acceptor.clone(), calls.clone(), id.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let _ = lbscale_proto::stats_http::serve(tls, Duration::from_secs(60), |_| {
+                        let refused = calls.fetch_add(1, Ordering::SeqCst) < 2;
+                        let id = id.clone();
+                        async move {
+                            if refused {
+                                lbscale_proto::stats_http::Reply::Refused(503, "busy".into())
+                            } else {
+                                lbscale_proto::stats_http::Reply::Stats(NodeStats {
+                                    node_id: id,
+                                    ..Default::default()
+                                })
+                            }
+                        }
+                    })
+                    .await;
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_node_refused_a_call_on_is_kept_for_the_next() {
+        let secret = "group-secret";
+        let (port, accepted) = refusing_twice(secret, "n1").await;
+        let conns = NodeConnections::within(64);
+        let creds = Arc::new(EngineCredentials::issue(secret).unwrap());
+        let mut clients = HashMap::new();
+        let window = Duration::from_secs(60);
+        let nodes = || vec![target("n1", port)];
+        // Refused on a new connection, then on the kept one: kept both times.
+        for _ in 0..2 {
+            let refused = sample(&mut clients, &conns, nodes(), secret, &creds, window).await;
+            assert!(refused.answers.is_empty(), "the call is refused");
+            assert_eq!(clients.len(), 1, "its connection is kept");
+        }
+        let next = sample(&mut clients, &conns, nodes(), secret, &creds, window).await;
+        assert_eq!(
+            next.answers.get("n1").map(|s| s.node_id.as_str()),
+            Some("n1")
+        );
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "every call over one connection"
+        );
+    }
+
     /// Why `t`, with no kept connection, gave no statistics.
     async fn failed_ask(t: Target, conns: &NodeConnections) -> String {
         let creds = Arc::new(EngineCredentials::issue("secret").unwrap());
         let window = Duration::from_secs(60);
-        match ask(&t, None, conns, "token", &creds, window).await {
+        match ask(&t, None, conns, "token", &creds, window).await.answer {
             Ok(_) => panic!("{} answered", t.id),
             Err(why) => why,
         }
