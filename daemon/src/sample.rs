@@ -224,10 +224,10 @@ pub(crate) async fn sample(
         })
         .collect();
     let mut answers = HashMap::new();
-    while let Some((t, addr, Asked { conn, answer })) = calls.next().await {
+    while let Some((t, addr, Answered { conn, answer })) = calls.next().await {
         // Kept whatever the answer, a refusal too, while it can carry the
-        // next call; a connection not kept is closed here, and gives its
-        // place back.
+        // next call; a connection not kept is closed at the end of this
+        // pass, and gives its place back.
         if let Some((mut client, Place::Kept(_kept))) = conn {
             if client.reusable() && (client.lean() || window <= KEEP_GRPC_UP_TO) {
                 client.probe_while_idle();
@@ -275,13 +275,13 @@ async fn ask(
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Asked {
+) -> Answered {
     let via = match cached {
         Some(c) => Via::Kept(c),
         None => match tokio::time::timeout(PLACE_WAIT, conns.place()).await {
             Ok(place) => Via::New(place),
             Err(_) => {
-                return Asked::failed(format!(
+                return Answered::failed(format!(
                     "no place for a new connection within {}s: the daemon's connections for one sample are all in use",
                     PLACE_WAIT.as_secs()
                 ))
@@ -293,23 +293,26 @@ async fn ask(
     // as when each call was a task of its own.
     let call = std::panic::AssertUnwindSafe(stats_of(t, via, token, creds, window))
         .catch_unwind()
-        .map(|r| r.unwrap_or_else(|panic| Asked::failed(panicked(&t.id, panic))));
+        .map(|r| r.unwrap_or_else(|panic| Answered::failed(panicked(&t.id, panic))));
     tokio::time::timeout(STATS_TIMEOUT, call)
         .await
-        .unwrap_or_else(|_| Asked::failed(format!("no answer within {}s", STATS_TIMEOUT.as_secs())))
+        .unwrap_or_else(|_| {
+            Answered::failed(format!("no answer within {}s", STATS_TIMEOUT.as_secs()))
+        })
 }
 
 /// What one stats call gave: the node's answer, and the connection it went
-/// over while that connection can carry another call (its place with it).
-struct Asked {
+/// over unless that ended (its place with it); whether the connection can
+/// carry another call is its `reusable()`.
+struct Answered {
     conn: Option<(Box<StatsClient>, Place)>,
     answer: Result<NodeStats, String>,
 }
 
-impl Asked {
+impl Answered {
     /// No answer, and no connection left.
-    fn failed(why: String) -> Asked {
-        Asked {
+    fn failed(why: String) -> Answered {
+        Answered {
             conn: None,
             answer: Err(why),
         }
@@ -332,7 +335,7 @@ async fn stats_of(
     token: &str,
     creds: &Arc<EngineCredentials>,
     window: Duration,
-) -> Asked {
+) -> Answered {
     let place = match via {
         Via::Kept(c) => {
             let mut client = c.client;
@@ -343,7 +346,7 @@ async fn stats_of(
                 // The node answered (a refusal too: a new connection would
                 // hear the same).
                 answer => {
-                    return Asked {
+                    return Answered {
                         conn: Some((client, Place::Kept(c._kept))),
                         answer: answer.map_err(|e| e.to_string()),
                     }
@@ -354,12 +357,15 @@ async fn stats_of(
     };
     let mut client = match StatsClient::connect(creds, &t.ip, t.port, &t.id, token).await {
         Ok(c) => Box::new(c),
-        Err(e) => return Asked::failed(e.to_string()),
+        Err(e) => return Answered::failed(e.to_string()),
     };
-    let answer = client.stats_over(window).await.map_err(|e| e.to_string());
-    Asked {
-        conn: Some((client, place)),
-        answer,
+    match client.stats_over(window).await {
+        // Ended (reset, closed, cut short): nothing left to keep.
+        Err(e @ NodeApiError::Unreachable { .. }) => Answered::failed(e.to_string()),
+        answer => Answered {
+            conn: Some((client, place)),
+            answer: answer.map_err(|e| e.to_string()),
+        },
     }
 }
 
@@ -498,6 +504,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_the_node_refused_a_call_on_is_kept_for_the_next() {
+        use std::sync::atomic::Ordering::SeqCst;
         let secret = "group-secret";
         let (port, accepted) = refusing_twice(secret, "n1").await;
         let conns = NodeConnections::within(64);
@@ -510,17 +517,14 @@ mod tests {
             let refused = sample(&mut clients, &conns, nodes(), secret, &creds, window).await;
             assert!(refused.answers.is_empty(), "the call is refused");
             assert_eq!(clients.len(), 1, "its connection is kept");
+            assert_eq!(conns.kept.used(), 1, "in its kept place");
         }
         let next = sample(&mut clients, &conns, nodes(), secret, &creds, window).await;
         assert_eq!(
             next.answers.get("n1").map(|s| s.node_id.as_str()),
             Some("n1")
         );
-        assert_eq!(
-            accepted.load(std::sync::atomic::Ordering::SeqCst),
-            1,
-            "every call over one connection"
-        );
+        assert_eq!(accepted.load(SeqCst), 1, "every call over one connection");
     }
 
     /// Why `t`, with no kept connection, gave no statistics.

@@ -152,7 +152,9 @@ impl StatsClient {
                 )))
             }
         };
-        *done = !answer.keep_alive;
+        // A 1xx head is not the final answer, which would still be unread:
+        // such a connection is not used again.
+        *done = !answer.keep_alive || answer.status < 200;
         if answer.status != 200 {
             let why: String = String::from_utf8_lossy(&answer.body)
                 .chars()
