@@ -39,14 +39,13 @@ use lbscale_engine::model::{
     CloudName, DeclaredDuration, DistributorMode, DistributorSpec, GroupSpec, Metric, ThresholdSpec,
 };
 use lbscale_engine::nodeapi::auth::{bearer, node_name, GroupCa};
+use lbscale_engine::nodeapi::node_server_config;
 use lbscale_engine::store::{now_ms, NodeRow, NodeState, Store};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
 use lbscale_proto::stats_http;
 use lbscale_proto::{
     ConfigureReply, DrainReply, DrainRequest, NodeConfig, NodeStats, StatsRequest, AUTH_HEADER,
 };
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -298,33 +297,12 @@ fn server_config(node: &SimNode) -> Arc<rustls::ServerConfig> {
     if let Some(c) = cached.as_ref() {
         return c.clone();
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(CertificateDer::from_pem_slice(node.ca.cert_pem().as_bytes()).unwrap())
-        .unwrap();
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(roots),
-        provider.clone(),
-    )
-    .build()
-    .unwrap();
     let (cert, key) = node
         .ca
         .issue_node(&node.id)
         .expect("issue the node's certificate");
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(
-            vec![CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
-            PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
-        )
-        .unwrap();
-    config.alpn_protocols = vec![stats_http::ALPN.to_vec(), b"h2".to_vec()];
-    // As a real node (node/src/api_tls.rs): one session ticket per handshake.
-    config.send_tls13_tickets = 1;
+    let config =
+        node_server_config(&node.ca.cert_pem(), &cert, &key).expect("the node's TLS configuration");
     let config = Arc::new(config);
     *cached = Some(config.clone());
     config

@@ -442,31 +442,14 @@ mod tests {
     /// them, on 127.0.0.1: its first two calls refused (503, the connection
     /// kept open), the others answered. Counts the connections it accepts.
     async fn refusing_twice(secret: &str, id: &str) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         use std::sync::atomic::{AtomicUsize, Ordering};
         let node = lbscale_engine::nodeapi::auth::node_credentials(secret, id).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from_pem_slice(node.ca_pem.as_bytes()).unwrap())
-            .unwrap();
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            Arc::new(roots),
-            provider.clone(),
+        let config = lbscale_engine::nodeapi::node_server_config(
+            &node.ca_pem,
+            &node.cert_pem,
+            &node.key_pem,
         )
-        .build()
         .unwrap();
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(
-                vec![CertificateDer::from_pem_slice(node.cert_pem.as_bytes()).unwrap()],
-                PrivateKeyDer::from_pem_slice(node.key_pem.as_bytes()).unwrap(),
-            )
-            .unwrap();
-        config.alpn_protocols = vec![lbscale_proto::stats_http::ALPN.to_vec()];
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();

@@ -130,12 +130,7 @@ fn client_config(
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<rustls::ClientConfig, String> {
-    let mut roots = rustls::RootCertStore::empty();
-    let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes())
-        .map_err(|e| format!("the group CA's certificate: {e}"))?;
-    roots
-        .add(ca)
-        .map_err(|e| format!("the group CA's certificate: {e}"))?;
+    let roots = group_ca_roots(ca_pem)?;
     let cert = CertificateDer::from_pem_slice(cert_pem.as_bytes())
         .map_err(|e| format!("the engine's certificate: {e}"))?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
@@ -149,6 +144,48 @@ fn client_config(
     config.alpn_protocols = vec![b"h2".to_vec()];
     config.resumption =
         rustls::client::Resumption::store(Arc::new(sessions::NodeSessions::default()));
+    Ok(config)
+}
+
+/// The group CA as the only root either side trusts.
+fn group_ca_roots(ca_pem: &str) -> Result<rustls::RootCertStore, String> {
+    let bad = |e: &dyn std::fmt::Display| format!("the group CA's certificate: {e}");
+    let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes()).map_err(|e| bad(&e))?;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca).map_err(|e| bad(&e))?;
+    Ok(roots)
+}
+
+/// A node's TLS server for its API as `lbscale-node` makes it (there from
+/// its PEM files): its certificate, and a client certificate that the group
+/// CA issued required; the ALPN and tickets as a real node's (HTTP/1.1 for
+/// the statistics first, then gRPC's HTTP/2; one session ticket per
+/// handshake). For stand-ins of a node: the daemon's benchmark and tests.
+pub fn node_server_config(
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<rustls::ServerConfig, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let roots = group_ca_roots(ca_pem)?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| format!("the group CA's certificate: {e}"))?;
+    let cert = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+        .map_err(|e| format!("the node's certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| format!("the node's key: {e}"))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(vec![cert], key)
+        .map_err(|e| format!("the node's certificate and key: {e}"))?;
+    config.alpn_protocols = vec![stats_http::ALPN.to_vec(), b"h2".to_vec()];
+    config.send_tls13_tickets = 1;
     Ok(config)
 }
 

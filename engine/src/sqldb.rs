@@ -783,8 +783,9 @@ impl PgPool {
     /// holding a thread, at most `wait`, and opens a new one (if the pool has
     /// room) on a blocking-pool thread, within the connect timeout and a call
     /// deadline as [`PgPool::get`] does; if the caller stops waiting
-    /// meanwhile, the new connection goes to the idle ones. A burst of evaluations that finds
-    /// every connection busy waits here, not in threads of their own. The
+    /// meanwhile, the new connection goes to the idle ones. A burst of
+    /// evaluations that finds every connection busy waits here, not in
+    /// threads of their own. The
     /// waiters are served about in the order they began to wait (a caller
     /// keeps its place in the queue of [`tokio::sync::Notify`] until it is
     /// woken), though one that comes when a connection is idle takes it at once.
