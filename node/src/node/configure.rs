@@ -230,7 +230,7 @@ impl Node {
         if self.draining.load(Ordering::Relaxed) {
             // A draining node takes no new connections: record the version only.
             inner.fence = cfg.fence;
-            self.version.store(cfg.version, Ordering::Relaxed);
+            self.publish(&inner, cfg.version);
             return Ok(cfg.version);
         }
         let mut bound = self.bind_new(&inner, &desired).await?;
@@ -258,7 +258,7 @@ impl Node {
         let names: HashSet<&str> = desired.iter().map(|(_, _, v)| v.name.as_str()).collect();
         self.ramps.retain(&names);
         inner.fence = cfg.fence;
-        self.version.store(cfg.version, Ordering::Relaxed);
+        self.publish(&inner, cfg.version);
         Ok(cfg.version)
     }
 

@@ -5,10 +5,12 @@
 mod configure;
 mod custom_load;
 mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -68,6 +70,15 @@ struct Inner {
     fence: u64,
 }
 
+/// The vservers and version of the last configuration applied, for the readers
+/// that must not wait while a configuration binds, closes listeners or resolves
+/// names under the listeners' lock: the statistics and the sampler.
+#[derive(Default)]
+struct Published {
+    version: u64,
+    vservers: Vec<Arc<Vserver>>,
+}
+
 pub struct Node {
     pub id: String,
     pub ip: IpAddr,
@@ -79,8 +90,9 @@ pub struct Node {
     /// Cancelled when the node drains: every listener closes.
     drain: CancellationToken,
     draining: AtomicBool,
-    version: AtomicU64,
     inner: tokio::sync::Mutex<Inner>,
+    /// Replaced by each Configure before it lets go of `inner`.
+    published: Mutex<Arc<Published>>,
     /// The snapshots `stats` takes its means from (the sampler keeps one a second).
     window: Mutex<Window>,
     started: Instant,
@@ -118,8 +130,8 @@ impl Node {
             },
             drain: CancellationToken::new(),
             draining: AtomicBool::new(false),
-            version: AtomicU64::new(0),
             inner: tokio::sync::Mutex::new(Inner::default()),
+            published: Mutex::new(Arc::default()),
             window: Mutex::new(Window::default()),
             started: Instant::now(),
             ramps: Ramps::new(prober.clone(), ip),
@@ -134,8 +146,21 @@ impl Node {
         node
     }
 
-    pub fn version(&self) -> u64 {
-        self.version.load(Ordering::Relaxed)
+    /// The last configuration applied, without waiting for one in progress.
+    fn published(&self) -> Arc<Published> {
+        self.published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Makes `inner`'s listeners and `version` what readers of the last
+    /// configuration see; called with `inner` held, so publications keep
+    /// Configure's order.
+    fn publish(&self, inner: &Inner, version: u64) {
+        let vservers = inner.listeners.values().map(|l| l.vs.clone()).collect();
+        *self.published.lock().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Published { version, vservers });
     }
 
     /// Node uptime, ms: the clock of the slow-start model.
@@ -143,7 +168,8 @@ impl Node {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// The snapshots of every listening vserver.
+    /// The snapshots of every listening vserver, after a configuration in
+    /// progress.
     async fn states(&self) -> Vec<Arc<VsState>> {
         let inner = self.inner.lock().await;
         inner.listeners.values().map(|l| l.vs.state()).collect()

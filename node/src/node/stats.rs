@@ -96,8 +96,8 @@ impl Node {
                 .keep(now);
             let dt = last_t.elapsed().as_secs_f64().max(1e-3);
             last_t = Instant::now();
-            for st in node.states().await {
-                for e in &st.services {
+            for vs in &node.published().vservers {
+                for e in &vs.state().services {
                     sample_rates(&e.rt, dt);
                 }
             }
@@ -123,21 +123,18 @@ impl Node {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .means(&now, window.as_nanos().min(u64::MAX as u128) as u64);
+        // The last configuration applied: a statistics call never waits for
+        // one in progress.
+        let published = self.published();
         let mut forwarded = Vec::new();
         let mut served_connections_total = HashMap::new();
-        let mut states = {
-            let inner = self.inner.lock().await;
-            for l in inner.listeners.values() {
-                let name = l.vs.state().name.clone();
-                forwarded.extend(l.vs.scaleout.forward_stats(&name));
-                served_connections_total.insert(name, l.vs.scaleout.served());
-            }
-            inner
-                .listeners
-                .values()
-                .map(|l| l.vs.state())
-                .collect::<Vec<_>>()
-        };
+        let mut states = Vec::with_capacity(published.vservers.len());
+        for vs in &published.vservers {
+            let st = vs.state();
+            forwarded.extend(vs.scaleout.forward_stats(&st.name));
+            served_connections_total.insert(st.name.clone(), vs.scaleout.served());
+            states.push(st);
+        }
         states.sort_by(|a, b| a.name.cmp(&b.name));
         let mut services: Vec<ServiceStats> = self
             .removed_still_draining(&states)
@@ -156,7 +153,7 @@ impl Node {
         NodeStats {
             node_id: self.id.clone(),
             state: self.state_name().to_string(),
-            config_version: self.version(),
+            config_version: published.version,
             cpu_percent: means.cpu_percent,
             memory_percent: means.memory_percent,
             throughput_mbps: means.throughput_mbps,
