@@ -80,8 +80,8 @@ pub struct GroupRuntime {
     clients: HashMap<String, CachedClient>,
     /// The group's node API token (it never changes).
     token: Option<String>,
-    /// The CA and client certificate its nodes are dialled with, issued once
-    /// an hour rather than per connection.
+    /// The engine's credentials (CA, client certificate, session tickets)
+    /// that the kept connections were made with.
     credentials: Option<Arc<EngineCredentials>>,
     /// The group's policy as of a row version (which a change of the group or
     /// of its distributor raises): read again only when the version changes.
@@ -691,20 +691,22 @@ async fn observe(
         rt.token = Some(token);
     }
     let token = rt.token.as_deref().unwrap_or_default();
-    let creds = match &rt.credentials {
-        Some(c) if c.fresh() => c.clone(),
-        _ => {
-            let c = Arc::new(
-                EngineCredentials::issue(token)
-                    .map_err(|e| EvalError::new("issue the engine's node API certificate", e))?,
-            );
-            rt.credentials = Some(c.clone());
-            // Kept connections were made with the old credentials and would
-            // go on resuming with them: dial again.
-            rt.clients.clear();
-            c
-        }
-    };
+    // The engine's, shared with its configuration pushes and drains: one TLS
+    // session per node.
+    let creds = shared
+        .engine
+        .node_credentials(id, token)
+        .map_err(|e| EvalError::new("get the group's node API credentials", e))?;
+    if !rt
+        .credentials
+        .as_ref()
+        .is_some_and(|c| Arc::ptr_eq(c, &creds))
+    {
+        // Kept connections were made with the old credentials and would go
+        // on resuming with them: dial again.
+        rt.clients.clear();
+        rt.credentials = Some(creds.clone());
+    }
     let targets = sample::targets(&snap.view, &snap.rows);
     let window = interval_of(&row.spec);
     let sampled = sample::sample(

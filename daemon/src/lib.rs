@@ -493,6 +493,7 @@ fn refresh(
     for id in gone {
         groups.remove(&id);
         shared.disown(&id);
+        shared.engine.forget_node_credentials(&id);
         if let Some(s) = shared.forget(&id) {
             shared.metrics.forget_group(&s.name);
             tracing::info!(group = %s.name, "group is gone from the store; no longer scaled");

@@ -70,8 +70,8 @@ pub struct NodeClient {
 /// What the engine shows a group's nodes and trusts them by: the group CA's
 /// certificate and an engine client certificate of that CA with its key, made
 /// into one TLS client configuration. Deriving the CA and issuing a
-/// certificate cost more than a TLS handshake, so a caller that dials a
-/// group's nodes often (the daemon, at every sample) keeps one per group and
+/// certificate cost more than a TLS handshake, so the engine keeps one per
+/// group for every connection to its nodes (`Engine::node_credentials`) and
 /// issues it again once it is no longer [`EngineCredentials::fresh`]. The
 /// configuration also keeps the session tickets the nodes give, so that the
 /// next connection to a node resumes its TLS session instead of checking

@@ -1291,3 +1291,38 @@ async fn the_snapshots_publication_check_agrees_with_the_full_one() {
     store.delete_vserver("flt-agree-vs-1").unwrap();
     assert!(publication_agrees(&s, "a TCP vserver deleted").await);
 }
+
+/// The engine keeps a group's node API credentials: the configuration push
+/// left the node a session ticket, so the next connection with them resumes
+/// that session instead of checking certificates again (the daemon's samples
+/// dial with the same). A destroyed group's credentials are not kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_groups_node_connections_share_its_credentials_and_resume_one_session() {
+    use lbscale_engine::nodeapi::NodeClient;
+
+    let s = Stack::up("credentials", "127.67.").await;
+    let token = s.engine.group_token(&s.group).unwrap();
+    let creds = s.engine.node_credentials(&s.group, &token).unwrap();
+    assert!(
+        Arc::ptr_eq(
+            &creds,
+            &s.engine.node_credentials(&s.group, &token).unwrap()
+        ),
+        "the group's credentials were issued again while fresh"
+    );
+    let node = s.rows().remove(0);
+    let client = NodeClient::connect_with(&creds, &node.private_ip, 9990, &node.id, &token)
+        .await
+        .expect("connect to the node");
+    assert!(
+        client.resumed_session(),
+        "the configuration push did not use the group's kept credentials: nothing to resume"
+    );
+
+    s.engine.delete_group(&s.group).await.unwrap();
+    let after = s.engine.node_credentials(&s.group, &token).unwrap();
+    assert!(
+        !Arc::ptr_eq(&creds, &after),
+        "the destroyed group's credentials were kept"
+    );
+}

@@ -192,6 +192,7 @@ impl Engine {
                 })?;
             // Deleted while the leases are held: nothing acts on it in between.
             self.store.delete_group(id)?;
+            self.forget_node_credentials(id);
             self.store.release_addresses(id)?;
             Ok(())
         }

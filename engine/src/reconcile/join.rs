@@ -223,10 +223,12 @@ impl Engine {
         deadline: Instant,
     ) -> Result<()> {
         let port = cloud.api_port(n);
+        let creds = self.node_credentials(&n.group_id, token)?;
         let mut last = String::new();
         while Instant::now() < deadline {
             let attempt = async {
-                let mut c = NodeClient::connect(&n.private_ip, port, &n.id, token).await?;
+                let mut c =
+                    NodeClient::connect_with(&creds, &n.private_ip, port, &n.id, token).await?;
                 c.configure(config.clone()).await
             };
             match attempt.await {

@@ -20,6 +20,7 @@
 //! - `se_groups`, `vservers`: the objects placed on a group;
 //! - `resources`: a group's own cloud resources (an aws group's security group).
 
+mod credentials;
 mod distributors;
 mod groups;
 mod join;
@@ -98,6 +99,9 @@ pub struct Engine {
     /// operations of one process (Terraform creating two vservers of a group in
     /// parallel) would both pass it and push configurations over each other.
     group_locks: std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each group's node API credentials, by group id
+    /// ([`Engine::node_credentials`]).
+    credentials: std::sync::Mutex<std::collections::HashMap<String, credentials::Kept>>,
 }
 
 fn new_id(prefix: &str) -> String {
@@ -125,6 +129,7 @@ impl Engine {
             store,
             holder,
             group_locks: std::sync::Mutex::new(BTreeMap::new()),
+            credentials: Default::default(),
         })
     }
 

@@ -6,7 +6,7 @@ use super::{Engine, EngineError, Result};
 use crate::cloud::Cloud;
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
-use crate::nodeapi::NodeClient;
+use crate::nodeapi::{EngineCredentials, NodeClient};
 use crate::store::{az_lease_key, NodeRow, NodeState, Row};
 use std::time::{Duration, Instant};
 
@@ -206,11 +206,13 @@ impl Engine {
         drain_until: Instant,
         deadline: Instant,
     ) -> Result<Drained> {
+        let creds = self.node_credentials(&n.group_id, token)?;
         let mut api = DrainingNode {
             ip: &n.private_ip,
             port: cloud.api_port(n),
             node_id: &n.id,
             token,
+            creds: &creds,
             client: None,
             told: false,
         };
@@ -324,6 +326,7 @@ struct DrainingNode<'a> {
     port: u16,
     node_id: &'a str,
     token: &'a str,
+    creds: &'a EngineCredentials,
     client: Option<NodeClient>,
     /// Whether the node has acknowledged the drain request.
     told: bool,
@@ -343,9 +346,15 @@ impl DrainingNode<'_> {
             // (this one may be what is broken).
             let mut client = match self.client.take() {
                 Some(c) => c,
-                None => NodeClient::connect(self.ip, self.port, self.node_id, self.token)
-                    .await
-                    .map_err(|e| e.to_string())?,
+                None => NodeClient::connect_with(
+                    self.creds,
+                    self.ip,
+                    self.port,
+                    self.node_id,
+                    self.token,
+                )
+                .await
+                .map_err(|e| e.to_string())?,
             };
             let count = if self.told {
                 client.stats().await.map(|s| s.active_connections)
