@@ -26,12 +26,14 @@ impl Node {
     /// service without a value has load 0) and applies them at once. A value in
     /// the configuration takes precedence.
     pub async fn set_custom_loads(&self, loads: HashMap<String, f64>) {
+        // Kept first: a configuration applied between the two steps builds its
+        // services with these values, not the old ones.
+        *self.custom_loads.lock().unwrap_or_else(|e| e.into_inner()) = loads.clone();
         for st in &self.states().await {
             for e in st.services.iter().filter(|e| e.custom_load.is_none()) {
                 e.rt.set_custom_load(custom_load_for(&loads, &st.name, &e.rt.name).unwrap_or(0.0));
             }
         }
-        *self.custom_loads.lock().unwrap_or_else(|e| e.into_inner()) = loads;
     }
 
     /// Polls `path` every 200 ms and applies it when it changes; an invalid file

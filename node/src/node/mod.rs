@@ -91,7 +91,7 @@ pub struct Node {
     drain: CancellationToken,
     draining: AtomicBool,
     inner: tokio::sync::Mutex<Inner>,
-    /// Replaced by each Configure before it lets go of `inner`.
+    /// See [`Node::publish`].
     published: Mutex<Arc<Published>>,
     /// The snapshots `stats` takes its means from (the sampler keeps one a second).
     window: Mutex<Window>,

@@ -123,8 +123,6 @@ impl Node {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .means(&now, window.as_nanos().min(u64::MAX as u128) as u64);
-        // The last configuration applied: a statistics call never waits for
-        // one in progress.
         let published = self.published();
         let mut forwarded = Vec::new();
         let mut served_connections_total = HashMap::new();

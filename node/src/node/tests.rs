@@ -7,10 +7,8 @@ use lbscale_proto::{LbMethod, NodeConfig, Service, ServiceType, Vserver as Vserv
 use super::{Node, NodeOpts};
 use crate::usage::Source;
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("its address").port()
-}
+/// This test's own loopback address (the node's tests each have one).
+const NODE_IP: &str = "127.77.30.1";
 
 fn config(version: u64, vservers: &[(&str, u16)]) -> NodeConfig {
     let vserver = |(name, port): &(&str, u16)| VserverCfg {
@@ -41,21 +39,20 @@ fn service_names(s: &lbscale_proto::NodeStats) -> Vec<String> {
     s.services.iter().map(|s| s.service.clone()).collect()
 }
 
-/// A configuration holds the listeners' lock while it binds, closes listeners
-/// and resolves names (seconds, when a name server is slow); the daemon gives a
-/// node 2 s to answer. The statistics answer meanwhile, from the last
-/// configuration applied, and the next one shows once it is done.
+/// The statistics answer within the daemon's 2 s while a configuration holds
+/// the listeners' lock (see `Published`), from the last configuration
+/// applied; the next one shows once it is done.
 #[tokio::test]
 async fn statistics_answer_from_the_last_configuration_while_one_is_in_progress() {
     let node = Node::new(
         "n1".into(),
-        "127.0.0.1".parse().unwrap(),
+        NODE_IP.parse().unwrap(),
         Source::Process {
             memory_limit_mb: 1024,
         },
         NodeOpts::default(),
     );
-    let (web, api) = (free_port(), free_port());
+    let (web, api) = (8081, 8082);
     node.configure(config(3, &[("web", web)]))
         .await
         .expect("the first configuration");
@@ -69,7 +66,9 @@ async fn statistics_answer_from_the_last_configuration_while_one_is_in_progress(
                 .await
         }
     });
-    let during = tokio::time::timeout(Duration::from_secs(10), node.stats(Duration::ZERO))
+    // The configuration runs up to the lock.
+    tokio::task::yield_now().await;
+    let during = tokio::time::timeout(Duration::from_secs(2), node.stats(Duration::ZERO))
         .await
         .expect("the statistics answered while the listeners' lock was held");
     assert_eq!(during.config_version, 3);
