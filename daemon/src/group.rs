@@ -702,8 +702,8 @@ async fn observe(
         .as_ref()
         .is_some_and(|c| Arc::ptr_eq(c, &creds))
     {
-        // Kept connections were made with the old credentials and would go
-        // on resuming with them: dial again.
+        // Kept connections go on showing the certificate they were made
+        // with: dial again with the new one.
         rt.clients.clear();
         rt.credentials = Some(creds.clone());
     }

@@ -493,13 +493,17 @@ fn refresh(
     for id in gone {
         groups.remove(&id);
         shared.disown(&id);
-        shared.engine.forget_node_credentials(&id);
         if let Some(s) = shared.forget(&id) {
             shared.metrics.forget_group(&s.name);
             tracing::info!(group = %s.name, "group is gone from the store; no longer scaled");
         }
         group::release_ownership(shared, &id);
     }
+    // Not only those just found gone: an evaluation that read a group before
+    // it went may have asked for its credentials since it was last forgotten.
+    shared
+        .engine
+        .retain_node_credentials(|id| present.contains(id));
     for (id, version) in versions {
         if groups.get(&id).is_some_and(|w| w.version == version) {
             continue;

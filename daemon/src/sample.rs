@@ -193,8 +193,8 @@ pub(crate) fn targets(view: &GroupView, rows: &[NodeRow]) -> Vec<Target> {
 /// [`STATS_TIMEOUT`]: CPU, memory and throughput as their means over the last
 /// `window` (the group's stats interval). Connections are kept for the next
 /// evaluation while `conns` has room ([`KEEP_GRPC_UP_TO`] for gRPC ones).
-/// New connections show the group's engine credentials `creds` (kept by the
-/// group's runtime, not issued per connection).
+/// New connections show the group's engine credentials `creds` (the
+/// engine's, kept per group: `Engine::node_credentials`).
 pub(crate) async fn sample(
     clients: &mut HashMap<String, CachedClient>,
     conns: &NodeConnections,

@@ -71,7 +71,8 @@ pub struct NodeClient {
 /// certificate and an engine client certificate of that CA with its key, made
 /// into one TLS client configuration. Deriving the CA and issuing a
 /// certificate cost more than a TLS handshake, so the engine keeps one per
-/// group for every connection to its nodes (`Engine::node_credentials`) and
+/// group for its connections to the group's nodes (`Engine::node_credentials`;
+/// [`NodeClient::connect`] issues its own, for a one-off connection) and
 /// issues it again once it is no longer [`EngineCredentials::fresh`]. The
 /// configuration also keeps the session tickets the nodes give, so that the
 /// next connection to a node resumes its TLS session instead of checking

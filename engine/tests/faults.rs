@@ -1300,7 +1300,7 @@ async fn the_snapshots_publication_check_agrees_with_the_full_one() {
 async fn a_groups_node_connections_share_its_credentials_and_resume_one_session() {
     use lbscale_engine::nodeapi::NodeClient;
 
-    let s = Stack::up("credentials", "127.67.").await;
+    let s = Stack::up("flt_credentials", "127.67.").await;
     let token = s.engine.group_token(&s.group).unwrap();
     let creds = s.engine.node_credentials(&s.group, &token).unwrap();
     assert!(
