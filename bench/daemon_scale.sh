@@ -236,6 +236,15 @@ echo "  startup (claim, resume, first sample of every group): $startup s"
 declare -a snap
 for i in $(seq 0 $((DAEMONS - 1))); do snap[$i]=$(snapshot "$i"); done
 first=("${snap[@]}")
+# The daemons' CPU since they started: what the start cost them (the machine's
+# other processes, the simulated nodes and PostgreSQL, share its wall time).
+for i in $(seq 0 $((DAEMONS - 1))); do
+  python3 -c 'import os, sys
+snap, i, groups = sys.argv[1].split(), sys.argv[2], int(sys.argv[3]) / int(sys.argv[4])
+s = int(snap[0]) / os.sysconf("SC_CLK_TCK")
+print(f"  d{i} during the startup: CPU {s:.1f} s, {s * 1000 / groups:.2f} ms and {int(snap[2]) / groups:.1f} store statements per group")' \
+    "${snap[$i]}" "$i" "$GROUP_COUNT" "$DAEMONS"
+done
 for k in $(seq 1 "$INTERVALS"); do
   t0=$(date +%s.%N)
   sleep "$interval_s"

@@ -58,17 +58,19 @@ impl Engine {
             attempts += 1;
             let pushed = async {
                 let config = self.fenced_node_config(&group.id, lease)?;
-                for n in self.store.nodes_of_group(&group.id)?.into_iter().rev() {
+                let nodes = self.store.nodes_of_group(&group.id)?;
+                let cluster = self.cluster(group, &nodes, leaving)?;
+                for n in nodes.iter().rev() {
                     if !n.state.is_member() || leaving.contains(&n.id) {
                         continue;
                     }
                     self.join(
                         cloud,
                         group,
-                        n,
+                        n.clone(),
                         token,
                         &config,
-                        leaving,
+                        &cluster,
                         scalein_floor,
                         deadline,
                         lease,
@@ -114,14 +116,14 @@ impl Engine {
         mut n: NodeRow,
         token: &str,
         base: &lbscale_proto::NodeConfig,
-        leaving: &[String],
+        cluster: &Cluster<'_>,
         scalein_floor: Duration,
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
         let group_id = group.id.as_str();
         let version = base.version;
-        let mut config = self.config_for_node(group, base, &n, leaving)?;
+        let mut config = placed_config(base, &n, &cluster.staying, &cluster.placements);
         // The floor matters only to the secondaries dropped by this push; the
         // configuration is otherwise the same (no re-push for it later).
         let fingerprint = config_fingerprint(&config);
@@ -254,22 +256,23 @@ impl Engine {
         })
     }
 
-    /// What node `n` runs: the group's vservers with its scale-out role in each
-    /// (placed over the members that stay, i.e. not in `leaving`).
-    fn config_for_node(
+    /// The members of `nodes` that stay (not in `leaving`) and the placements
+    /// over them.
+    fn cluster<'a>(
         &self,
         group: &Row<GroupSpec>,
-        base: &lbscale_proto::NodeConfig,
-        n: &NodeRow,
+        nodes: &'a [NodeRow],
         leaving: &[String],
-    ) -> Result<lbscale_proto::NodeConfig> {
-        let nodes = self.store.nodes_of_group(&group.id)?;
+    ) -> Result<Cluster<'a>> {
         let staying: Vec<&NodeRow> = nodes
             .iter()
             .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
             .collect();
         let placements = self.placements(group, &staying)?;
-        Ok(placed_config(base, n, &staying, &placements))
+        Ok(Cluster {
+            staying,
+            placements,
+        })
     }
 
     /// The full configuration the group's nodes run: every vserver placed on it.
@@ -356,13 +359,14 @@ impl Engine {
     ) -> Result<()> {
         let why = format!("replaces {} (rolling restart)", old.id);
         let fresh = self.provision(group, &old.az, token, lease, &why).await?;
+        let nodes = self.store.nodes_of_group(&group.id)?;
         self.join(
             cloud,
             group,
             fresh,
             token,
             config,
-            &[],
+            &self.cluster(group, &nodes, &[])?,
             Duration::ZERO,
             deadline,
             lease,
@@ -404,6 +408,14 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
             (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
         });
     format!("{h:016x}")
+}
+
+/// The members of a group that stay and where its vservers are placed over
+/// them: what each node's configuration in one push is made from, read once
+/// per push rather than once per node.
+struct Cluster<'a> {
+    staying: Vec<&'a NodeRow>,
+    placements: std::collections::BTreeMap<(String, String), placement::AzPlacement>,
 }
 
 /// What node `n` runs: `base` (every vserver of the group) with its scale-out
