@@ -242,7 +242,7 @@ for i in $(seq 0 $((DAEMONS - 1))); do
   python3 -c 'import os, sys
 snap, i, groups = sys.argv[1].split(), sys.argv[2], int(sys.argv[3]) / int(sys.argv[4])
 s = int(snap[0]) / os.sysconf("SC_CLK_TCK")
-print(f"  d{i} during the startup: CPU {s:.1f} s, {s * 1000 / groups:.2f} ms and {int(snap[2]) / groups:.1f} store statements per group")' \
+print(f"  d{i} during the startup: CPU {s:.1f} s; per group (the groups shared evenly): {s * 1000 / groups:.2f} ms, {int(snap[2]) / groups:.1f} store statements")' \
     "${snap[$i]}" "$i" "$GROUP_COUNT" "$DAEMONS"
 done
 for k in $(seq 1 "$INTERVALS"); do

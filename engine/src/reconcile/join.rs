@@ -3,6 +3,7 @@
 //! restart that replaces every node surge first.
 
 use super::leases::KeptLease;
+use super::spans::Placements;
 use super::{Engine, EngineError, Result};
 use crate::cloud::Cloud;
 use crate::fault::fault_point;
@@ -58,19 +59,20 @@ impl Engine {
             attempts += 1;
             let pushed = async {
                 let config = self.fenced_node_config(&group.id, lease)?;
+                // Read once, after the fence was taken: a workflow of another
+                // AZ that changes the members meanwhile pushes under a higher
+                // fence, the nodes then refuse this push's, and it is read
+                // again (Superseded below).
                 let nodes = self.store.nodes_of_group(&group.id)?;
-                let cluster = self.cluster(group, &nodes, leaving)?;
-                for n in nodes.iter().rev() {
-                    if !n.state.is_member() || leaving.contains(&n.id) {
-                        continue;
-                    }
+                let members = self.members(group, &nodes, leaving)?;
+                for n in members.staying.iter().rev() {
                     self.join(
                         cloud,
                         group,
-                        n.clone(),
+                        (*n).clone(),
                         token,
                         &config,
-                        &cluster,
+                        &members,
                         scalein_floor,
                         deadline,
                         lease,
@@ -116,14 +118,14 @@ impl Engine {
         mut n: NodeRow,
         token: &str,
         base: &lbscale_proto::NodeConfig,
-        cluster: &Cluster<'_>,
+        members: &Members<'_>,
         scalein_floor: Duration,
         deadline: Instant,
         lease: &KeptLease,
     ) -> Result<()> {
         let group_id = group.id.as_str();
         let version = base.version;
-        let mut config = placed_config(base, &n, &cluster.staying, &cluster.placements);
+        let mut config = placed_config(base, &n, members);
         // The floor matters only to the secondaries dropped by this push; the
         // configuration is otherwise the same (no re-push for it later).
         let fingerprint = config_fingerprint(&config);
@@ -258,18 +260,15 @@ impl Engine {
 
     /// The members of `nodes` that stay (not in `leaving`) and the placements
     /// over them.
-    fn cluster<'a>(
+    fn members<'a>(
         &self,
         group: &Row<GroupSpec>,
         nodes: &'a [NodeRow],
         leaving: &[String],
-    ) -> Result<Cluster<'a>> {
-        let staying: Vec<&NodeRow> = nodes
-            .iter()
-            .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
-            .collect();
+    ) -> Result<Members<'a>> {
+        let staying = staying(nodes, leaving);
         let placements = self.placements(group, &staying)?;
-        Ok(Cluster {
+        Ok(Members {
             staying,
             placements,
         })
@@ -366,7 +365,7 @@ impl Engine {
             fresh,
             token,
             config,
-            &self.cluster(group, &nodes, &[])?,
+            &self.members(group, &nodes, &[])?,
             Duration::ZERO,
             deadline,
             lease,
@@ -410,22 +409,32 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
     format!("{h:016x}")
 }
 
-/// The members of a group that stay and where its vservers are placed over
-/// them: what each node's configuration in one push is made from, read once
-/// per push rather than once per node.
-struct Cluster<'a> {
+/// The members of a group that stay, oldest first, and where its vservers
+/// are placed over them: the scale-out roles of every node's configuration.
+pub(crate) struct Members<'a> {
     staying: Vec<&'a NodeRow>,
-    placements: std::collections::BTreeMap<(String, String), placement::AzPlacement>,
+    placements: Placements,
+}
+
+/// The members among `nodes` not in `leaving`, in `nodes`' order.
+fn staying<'a>(nodes: &'a [NodeRow], leaving: &[String]) -> Vec<&'a NodeRow> {
+    nodes
+        .iter()
+        .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
+        .collect()
 }
 
 /// What node `n` runs: `base` (every vserver of the group) with its scale-out
-/// role in each, as `placements` (over the members that stay, `staying`) place it.
+/// role in each, as `members` place it.
 fn placed_config(
     base: &lbscale_proto::NodeConfig,
     n: &NodeRow,
-    staying: &[&NodeRow],
-    placements: &std::collections::BTreeMap<(String, String), placement::AzPlacement>,
+    members: &Members<'_>,
 ) -> lbscale_proto::NodeConfig {
+    let Members {
+        staying,
+        placements,
+    } = members;
     use lbscale_proto::{Scaleout, ScaleoutPeer, ScaleoutRole};
     let mut config = base.clone();
 
@@ -538,16 +547,20 @@ pub(crate) fn stale_among(
     nodes: &[NodeRow],
     vservers: Vec<Row<VserverSpec>>,
 ) -> Vec<String> {
-    let staying: Vec<&NodeRow> = nodes.iter().filter(|m| m.state.is_member()).collect();
+    let staying = staying(nodes, &[]);
     let placements = nlb
         .map(|nlb| super::spans::placements_of(group, &staying, &vservers, nlb))
         .unwrap_or_default();
+    let members = Members {
+        staying,
+        placements,
+    };
     let base = node_config_of(vservers, version);
     nodes
         .iter()
         .filter(|n| n.state == NodeState::Active)
         .filter(|n| {
-            let want = config_fingerprint(&placed_config(&base, n, &staying, &placements));
+            let want = config_fingerprint(&placed_config(&base, n, &members));
             n.handle.get("config_fingerprint").and_then(|v| v.as_str()) != Some(want.as_str())
         })
         .map(|n| n.id.clone())

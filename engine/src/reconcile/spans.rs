@@ -31,7 +31,7 @@ impl Engine {
         &self,
         group: &Row<GroupSpec>,
         nodes: &[&NodeRow],
-    ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
+    ) -> Result<Placements> {
         if !self.behind_nlb(&group.spec)? {
             return Ok(BTreeMap::new());
         }
@@ -43,7 +43,7 @@ impl Engine {
         &self,
         group: &Row<GroupSpec>,
         nodes: &[&NodeRow],
-    ) -> Result<BTreeMap<(String, String), placement::AzPlacement>> {
+    ) -> Result<Placements> {
         let vservers = self.store.vservers_of_group(&group.id)?;
         let nlb = self.store.nlb_rows(&group.id)?;
         Ok(placements_of(group, nodes, &vservers, &nlb))
@@ -101,6 +101,9 @@ fn span_bounds(se: &SeGroupSpec) -> (u32, u32) {
     (min, max)
 }
 
+/// Where each vserver is placed in each AZ, by (vserver name, AZ).
+pub(crate) type Placements = BTreeMap<(String, String), placement::AzPlacement>;
+
 /// The vservers' placements in the group's AZs over `nodes` (oldest first),
 /// keyed by (vserver, AZ), from what the store holds of them (`vservers`,
 /// `nlb`): reads nothing.
@@ -109,7 +112,7 @@ pub(crate) fn placements_of(
     nodes: &[&NodeRow],
     vservers: &[Row<VserverSpec>],
     nlb: &NlbRows,
-) -> BTreeMap<(String, String), placement::AzPlacement> {
+) -> Placements {
     let mut out = BTreeMap::new();
     for (v, se) in with_se_groups(vservers, nlb) {
         for az in &group.spec.availability_zones {
