@@ -1326,3 +1326,51 @@ async fn a_groups_node_connections_share_its_credentials_and_resume_one_session(
         "the destroyed group's credentials were kept"
     );
 }
+
+/// A push writes back a node's row only while the node is still a member: a
+/// node that another workflow deregistered and began to drain while the push
+/// configured it (another AZ's scale-in, under its own AZ's lease) stays so,
+/// rather than coming back active and registered, which the next publication
+/// would hand out to clients again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
+    let s = Stack::up("flt_push_writeback", "127.68.").await;
+    let store = s.engine.testing_store().clone();
+    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
+        "name": "flt-writeback-se", "autoscale_group_id": s.group, "scaling_mode": "native",
+        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
+        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
+    }))
+    .unwrap();
+    let se_id = s.engine.create_se_group(&se).await.unwrap();
+    let vserver: lbscale_engine::model::VserverSpec = serde_json::from_value(serde_json::json!({
+        "name": "flt-writeback", "se_group_id": se_id, "service_type": "TCP", "port": 18980,
+        "lb_method": "round_robin", "persistence": "none", "slow_start": null,
+        "services": [{"name": "b1", "address": "127.0.0.1", "port": 18981, "weight": 1, "enabled": true}],
+    }))
+    .unwrap();
+
+    // The new vserver is pushed to the node; the push is held after the node
+    // took it, before the push writes the node's row.
+    let held = lbscale_engine::fault::holds::hold("join_before_node_write");
+    let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
+    let taking_out = async {
+        tokio::time::timeout(Duration::from_secs(30), held.reached())
+            .await
+            .expect("the push reached the node's row within 30 s");
+        let mut n = s.rows().remove(0);
+        n.state = NodeState::Draining;
+        n.registered = false;
+        store.update_node(&n).unwrap();
+        held.release();
+    };
+    let (out, ()) = tokio::join!(pushing, taking_out);
+    out.expect("the push ended within 60 s")
+        .expect("the vserver is created");
+    let n = s.rows().remove(0);
+    assert_eq!(
+        (n.state, n.registered),
+        (NodeState::Draining, false),
+        "the push put the node back"
+    );
+}

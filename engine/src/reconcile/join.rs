@@ -6,7 +6,7 @@ use super::leases::KeptLease;
 use super::spans::Placements;
 use super::{Engine, EngineError, Result};
 use crate::cloud::Cloud;
-use crate::fault::fault_point;
+use crate::fault::{fault_point, hold_point};
 use crate::model::{GroupSpec, VserverSpec};
 use crate::nodeapi::NodeClient;
 use crate::placement;
@@ -142,11 +142,17 @@ impl Engine {
             lease.check()?;
             self.configure(cloud, &n, token, config, deadline).await?;
             fault_point("after_configure");
+            hold_point("join_before_node_write").await;
             lease.check()?;
             n.handle["config_version"] = version.into();
             n.handle["config_fingerprint"] = fingerprint.into();
-            if n.state != NodeState::Active {
-                n.state = NodeState::Active;
+            let activated = n.state != NodeState::Active;
+            n.state = NodeState::Active;
+            if !self.store.update_member_under(lease.lease(), &n)? {
+                left_meanwhile(&n);
+                return Ok(());
+            }
+            if activated {
                 self.store.record_event(
                     group_id,
                     Some(&n.az),
@@ -157,7 +163,6 @@ impl Engine {
                     ),
                 )?;
             }
-            self.store.update_node_under(lease.lease(), &n)?;
         }
         if !n.registered {
             self.register(group_id, &mut n, lease)?;
@@ -204,7 +209,10 @@ impl Engine {
     fn register(&self, group_id: &str, n: &mut NodeRow, lease: &KeptLease) -> Result<()> {
         lease.check()?;
         n.registered = true;
-        self.store.update_node_under(lease.lease(), n)?;
+        if !self.store.update_member_under(lease.lease(), n)? {
+            left_meanwhile(n);
+            return Ok(());
+        }
         self.store.record_event(
             group_id,
             Some(&n.az),
@@ -407,6 +415,12 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
             (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
         });
     format!("{h:016x}")
+}
+
+/// A node this push read as a member was taken out since (another AZ's
+/// scale-in deregistered it): its row is left as that workflow wrote it.
+fn left_meanwhile(n: &NodeRow) {
+    tracing::info!(node = %n.id, "node left its cluster during the push; its row is left as it is");
 }
 
 /// The members of a group that stay, oldest first, and where its vservers

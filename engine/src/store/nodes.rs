@@ -51,12 +51,16 @@ impl NodeState {
             }
         })
     }
+    /// The states that count towards the cluster size (not on its way out).
+    const MEMBERS: [NodeState; 3] = [
+        NodeState::Provisioning,
+        NodeState::Joining,
+        NodeState::Active,
+    ];
+
     /// Counts towards the cluster size (not on its way out).
     pub fn is_member(self) -> bool {
-        matches!(
-            self,
-            NodeState::Provisioning | NodeState::Joining | NodeState::Active
-        )
+        Self::MEMBERS.contains(&self)
     }
 }
 
@@ -131,11 +135,34 @@ impl Store {
     /// As [`Store::update_node`], fenced by `lease` in the statement itself
     /// (see [`Store::insert_node_under`]); a node that is gone is no error.
     pub fn update_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
-        let written = self.with(|c| {
+        let written = self.node_written_under(lease, n, "")?;
+        self.fenced(lease, written, "node row not updated")
+    }
+
+    /// [`Store::update_node_under`] for a node read while it was a member of
+    /// its cluster (provisioning, joining or active): written only if it
+    /// still is. False, with nothing written, when another workflow took it
+    /// out since (a scale-in of another AZ, which deregisters and drains it):
+    /// a copy read before must not put it back.
+    pub fn update_member_under(&self, lease: &Lease, n: &NodeRow) -> Result<bool> {
+        let members: Vec<String> = NodeState::MEMBERS
+            .iter()
+            .map(|m| format!("'{}'", m.as_str()))
+            .collect();
+        let condition = format!("AND state IN ({})", members.join(", "));
+        let written = self.node_written_under(lease, n, &condition)?;
+        self.fenced(lease, written, "node row not updated")?;
+        Ok(written > 0)
+    }
+
+    /// Writes `n` over its row under `lease`, if `condition` (SQL on the row,
+    /// or empty) holds: the rows written.
+    fn node_written_under(&self, lease: &Lease, n: &NodeRow, condition: &str) -> Result<u64> {
+        self.with(|c| {
             c.execute(
                 &format!(
                     "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
-                     private_ip = ?6, public_ip = ?7 WHERE id = ?1 AND {}",
+                     private_ip = ?6, public_ip = ?7 WHERE id = ?1 {condition} AND {}",
                     fence_clause(8)
                 ),
                 vals![
@@ -151,8 +178,7 @@ impl Store {
                     lease.fence
                 ],
             )
-        })?;
-        self.fenced(lease, written, "node row not updated")
+        })
     }
 
     /// As [`Store::delete_node`], fenced by `lease` in the statement itself
