@@ -52,8 +52,10 @@ pub fn fault_point(point: &'static str) {
 
 /// Places where a test holds a workflow (not aborts it) to make a race
 /// deterministic, with the `testing` feature only; elsewhere [`hold_point`] is
-/// a no-op. A test arms a point with [`hold`], waits until a workflow
-/// [`Held::reached`] it, acts, and lets the workflow go on.
+/// a no-op. A test arms a point for one group with [`hold`], waits until a
+/// workflow of that group [`Held::reached`] it, acts, and lets the workflow
+/// go on. Points are per group so that tests running at once, each on its
+/// own group, never stop each other's workflows.
 #[cfg(feature = "testing")]
 pub mod holds {
     use std::collections::BTreeMap;
@@ -66,23 +68,27 @@ pub mod holds {
         released: Notify,
     }
 
-    fn points() -> &'static Mutex<BTreeMap<&'static str, Arc<Point>>> {
-        static POINTS: std::sync::OnceLock<Mutex<BTreeMap<&'static str, Arc<Point>>>> =
+    type Key = (&'static str, String);
+
+    fn points() -> &'static Mutex<BTreeMap<Key, Arc<Point>>> {
+        static POINTS: std::sync::OnceLock<Mutex<BTreeMap<Key, Arc<Point>>>> =
             std::sync::OnceLock::new();
         POINTS.get_or_init(Default::default)
     }
 
-    /// An armed point: the next workflow to reach it waits until released.
+    /// An armed point: the next workflow of its group to reach it waits until
+    /// released.
     pub struct Held {
-        name: &'static str,
+        key: Key,
         point: Arc<Point>,
     }
 
-    /// Arms `name` for the next workflow that reaches it.
-    pub fn hold(name: &'static str) -> Held {
+    /// Arms `name` for the next workflow of group `group_id` that reaches it.
+    pub fn hold(name: &'static str, group_id: &str) -> Held {
         let point = Arc::new(Point::default());
-        points().lock().unwrap().insert(name, point.clone());
-        Held { name, point }
+        let key = (name, group_id.to_string());
+        points().lock().unwrap().insert(key.clone(), point.clone());
+        Held { key, point }
     }
 
     impl Held {
@@ -90,15 +96,20 @@ pub mod holds {
         pub async fn reached(&self) {
             self.point.reached.notified().await;
         }
-        /// Lets the waiting workflow go on (and disarms the point).
+        /// Lets the waiting workflow go on (and disarms the point, if no
+        /// workflow reached it).
         pub fn release(self) {
-            points().lock().unwrap().remove(self.name);
+            points().lock().unwrap().remove(&self.key);
             self.point.released.notify_one();
         }
     }
 
-    pub(crate) async fn wait_at(name: &'static str) {
-        let point = points().lock().unwrap().get(name).cloned();
+    /// Disarmed as it is reached: only the first workflow there waits.
+    pub(crate) async fn wait_at(name: &'static str, group_id: &str) {
+        let point = points()
+            .lock()
+            .unwrap()
+            .remove(&(name, group_id.to_string()));
         if let Some(p) = point {
             p.reached.notify_one();
             p.released.notified().await;
@@ -106,8 +117,9 @@ pub mod holds {
     }
 }
 
-/// Where a test may hold a workflow (see `holds`, with the `testing` feature).
-pub(crate) async fn hold_point(_name: &'static str) {
+/// Where a test may hold a workflow of group `_group_id` (see `holds`, with
+/// the `testing` feature).
+pub(crate) async fn hold_point(_name: &'static str, _group_id: &str) {
     #[cfg(feature = "testing")]
-    holds::wait_at(_name).await;
+    holds::wait_at(_name, _group_id).await;
 }

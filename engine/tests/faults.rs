@@ -804,7 +804,7 @@ async fn a_scale_out_waiting_for_its_az_while_the_group_is_destroyed_leaves_noth
     let store = s.engine.testing_store().clone();
     // The scale-out has read the group and is held before it takes its AZ's
     // lease; the destroy runs to its end meanwhile.
-    let held = lbscale_engine::fault::holds::hold("scale_out_before_lease");
+    let held = lbscale_engine::fault::holds::hold("scale_out_before_lease", &s.group);
     let scaling = tokio::time::timeout(
         Duration::from_secs(60),
         s.engine.scale_out(&s.group, "az1", "test"),
@@ -1352,7 +1352,7 @@ async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
 
     // The new vserver is pushed to the node; the push is held after the node
     // took it, before the push writes the node's row.
-    let held = lbscale_engine::fault::holds::hold("join_before_node_write");
+    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
     let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
     let taking_out = async {
         tokio::time::timeout(Duration::from_secs(30), held.reached())

@@ -142,7 +142,7 @@ impl Engine {
             lease.check()?;
             self.configure(cloud, &n, token, config, deadline).await?;
             fault_point("after_configure");
-            hold_point("join_before_node_write").await;
+            hold_point("join_before_node_write", group_id).await;
             lease.check()?;
             n.handle["config_version"] = version.into();
             n.handle["config_fingerprint"] = fingerprint.into();

@@ -17,7 +17,7 @@ impl Engine {
     pub async fn scale_out(&self, group_id: &str, az: &str, reason: &str) -> Result<String> {
         let group = self.group_row(group_id)?;
         let deadline = Instant::now() + group.spec.apply_timeout();
-        crate::fault::hold_point("scale_out_before_lease").await;
+        crate::fault::hold_point("scale_out_before_lease", group_id).await;
         let lease = self.lease(&az_lease_key(group_id, az), deadline).await?;
         let out = async {
             // As it is now, under the lease: a destroy may have ended meanwhile
