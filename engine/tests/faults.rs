@@ -680,12 +680,7 @@ async fn an_interrupted_create_is_adopted_by_name_and_settings() {
     let e = s.engine.declare_group(&other).unwrap_err();
     assert!(e.to_string().contains("already exists"), "{e}");
 
-    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
-        "name": "flt-adopt-se", "autoscale_group_id": s.group, "scaling_mode": "native",
-        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
-        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
-    }))
-    .unwrap();
+    let se = se_group("flt-adopt-se", &s.group);
     let se_id = s.engine.create_se_group(&se).await.unwrap();
     assert_eq!(s.engine.create_se_group(&se).await.unwrap(), se_id);
     let mut se_other = se.clone();
@@ -1108,12 +1103,7 @@ async fn a_configuration_read_under_a_lost_lease_never_lands_on_a_node() {
     }
 
     // The engine (the newer holder) adds a vserver: its push has a higher fence.
-    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
-        "name": "flt-fence-se", "autoscale_group_id": s.group, "scaling_mode": "native",
-        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
-        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
-    }))
-    .unwrap();
+    let se = se_group("flt-fence-se", &s.group);
     let se_id = s.engine.create_se_group(&se).await.unwrap();
     let vserver = |name: &str, port: u16| -> lbscale_engine::model::VserverSpec {
         serde_json::from_value(serde_json::json!({
@@ -1171,11 +1161,12 @@ fn rusqlite_raw(dir: &std::path::Path, sql: &str) {
     c.execute_batch(sql).unwrap();
 }
 
+/// An SE group of `group`: native scaling, one node per vserver.
 fn se_group(name: &str, group: &str) -> SeGroupSpec {
     SeGroupSpec {
         name: name.into(),
         autoscale_group_id: group.into(),
-        scaling_mode: "NONE".into(),
+        scaling_mode: "native".into(),
         min_scaleout_per_vs: 1,
         max_scaleout_per_vs: 1,
         vs_scalein_timeout: DeclaredDuration::parse("30s").unwrap(),
@@ -1336,19 +1327,9 @@ async fn a_groups_node_connections_share_its_credentials_and_resume_one_session(
 async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
     let s = Stack::up("flt_push_writeback", "127.68.").await;
     let store = s.engine.testing_store().clone();
-    let se: lbscale_engine::model::SeGroupSpec = serde_json::from_value(serde_json::json!({
-        "name": "flt-writeback-se", "autoscale_group_id": s.group, "scaling_mode": "native",
-        "min_scaleout_per_vs": 1, "max_scaleout_per_vs": 1, "vs_scalein_timeout": "30s",
-        "se_tunnel_mode": 0, "primary_forwarding_cost": 0.0,
-    }))
-    .unwrap();
+    let se = se_group("flt-writeback-se", &s.group);
     let se_id = s.engine.create_se_group(&se).await.unwrap();
-    let vserver: lbscale_engine::model::VserverSpec = serde_json::from_value(serde_json::json!({
-        "name": "flt-writeback", "se_group_id": se_id, "service_type": "TCP", "port": 18980,
-        "lb_method": "round_robin", "persistence": "none", "slow_start": null,
-        "services": [{"name": "b1", "address": "127.0.0.1", "port": 18981, "weight": 1, "enabled": true}],
-    }))
-    .unwrap();
+    let vserver = vserver_spec("flt-writeback", &se_id, "TCP", 18980);
 
     // The new vserver is pushed to the node; the push is held after the node
     // took it, before the push writes the node's row.
