@@ -280,7 +280,9 @@ impl Cloud for LocalCloud {
                 )));
             }
             if Instant::now() > deadline {
-                process::stop(&process, &mark).await;
+                // The start's failure is what to report; a stop that fails too
+                // leaves the process to deprovisioning, which finds it by its mark.
+                let _ = process::stop(&process, &mark).await;
                 return Err(CloudError::Failed(format!(
                     "node {} did not open its management API on {ip}:{port} within {}s",
                     req.node_id,
@@ -306,7 +308,7 @@ impl Cloud for LocalCloud {
         let h: NodeHandle = serde_json::from_value(node.handle.clone()).unwrap_or_default();
         let mark = Mark::node(&node.id);
         if h.process.pid != 0 {
-            process::stop(&h.process, &mark).await;
+            process::stop(&h.process, &mark).await?;
         } else {
             // A crash between starting the process and recording its pid: find
             // it by its exact `--node-id`, so that it is not orphaned.
@@ -316,7 +318,7 @@ impl Cloud for LocalCloud {
                 .and_then(|b| std::fs::canonicalize(b).ok())
                 .unwrap_or_default();
             for p in process::find(&mark, &exe) {
-                process::stop(&p, &mark).await;
+                process::stop(&p, &mark).await?;
             }
         }
         // Without a stored handle, the directory is where provision makes it:
@@ -417,7 +419,7 @@ impl Distributor for LocalCloud {
 
     async fn remove(&self, id: &str) -> Result<()> {
         let rt = self.runtime(id);
-        process::stop(&rt.process, &Mark::distributor(&rt.dir)).await;
+        process::stop(&rt.process, &Mark::distributor(&rt.dir)).await?;
         if rt.dir.starts_with(&self.root) && rt.dir.exists() {
             let _ = std::fs::remove_dir_all(&rt.dir);
         }

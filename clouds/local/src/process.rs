@@ -133,51 +133,106 @@ pub(crate) fn find(mark: &Mark, exe: &Path) -> Vec<Started> {
         .collect()
 }
 
-/// Sends `signal` to `p` if it is still ours for `mark`; whether it was sent.
-fn signal(p: &Started, mark: &Mark, signal: i32) -> bool {
-    // SAFETY: plain system calls on integers; the descriptor is closed below.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, p.pid as libc::pid_t, 0) } as i32;
-    let sent = is_ours(p, mark)
-        && if pidfd >= 0 {
-            unsafe {
+/// A process that was ours when opened, named from then on by a pidfd, so that a
+/// pid handed on after it exits is never signalled. `fd` is -1 without pidfds (a
+/// kernel before 5.3): then the checks made at each step will do.
+struct Opened<'a> {
+    p: &'a Started,
+    mark: &'a Mark,
+    fd: i32,
+}
+
+impl<'a> Opened<'a> {
+    /// `p` if it still runs and is ours for `mark`. The pidfd is opened before the
+    /// checks, so that it names the process they were made on.
+    fn if_ours(p: &'a Started, mark: &'a Mark) -> Option<Opened<'a>> {
+        // SAFETY: a plain system call on an integer; the descriptor is closed on drop.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, p.pid as libc::pid_t, 0) } as i32;
+        let opened = Opened { p, mark, fd };
+        is_ours(p, mark).then_some(opened)
+    }
+
+    /// Sends `signal`; whether it was sent (not once the process is gone).
+    fn signal(&self, signal: i32) -> bool {
+        // SAFETY: plain system calls on integers.
+        unsafe {
+            if self.fd >= 0 {
                 libc::syscall(
                     libc::SYS_pidfd_send_signal,
-                    pidfd,
+                    self.fd,
                     signal,
                     std::ptr::null::<libc::siginfo_t>(),
                     0,
                 ) == 0
+            } else {
+                is_ours(self.p, self.mark) && libc::kill(self.p.pid as libc::pid_t, signal) == 0
             }
-        } else {
-            // No pidfds (a kernel before 5.3): the checks just made will do.
-            unsafe { libc::kill(p.pid as libc::pid_t, signal) == 0 }
-        };
-    if pidfd >= 0 {
-        unsafe {
-            libc::close(pidfd);
         }
     }
-    sent
+
+    /// Whether every thread of the process has exited, and so closed its sockets.
+    /// Its main thread can be a zombie, no longer ours by /proc, while another
+    /// thread still holds the process's listeners; a pidfd reads as ready only
+    /// once the last one is gone.
+    fn exited(&self) -> bool {
+        if self.fd < 0 {
+            return !is_ours(self.p, self.mark);
+        }
+        let mut poll = libc::pollfd {
+            fd: self.fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        unsafe { libc::poll(&mut poll, 1, 0) == 1 }
+    }
+
+    /// Waits up to `limit` for the process to exit; whether it did.
+    async fn exited_within(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.exited() {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
-/// SIGTERM, then SIGKILL after the grace period; returns once the process is
-/// gone. Does nothing to a process that is not ours for `mark`.
-pub(crate) async fn stop(p: &Started, mark: &Mark) {
-    if !signal(p, mark, libc::SIGTERM) {
-        return;
-    }
-    let deadline = Instant::now() + STOP_GRACE;
-    while is_ours(p, mark) {
-        if Instant::now() > deadline {
-            signal(p, mark, libc::SIGKILL);
-            let hard = Instant::now() + Duration::from_secs(2);
-            while is_ours(p, mark) && Instant::now() < hard {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+impl Drop for Opened<'_> {
+    fn drop(&mut self) {
+        if self.fd >= 0 {
+            // SAFETY: our own descriptor, closed once.
+            unsafe {
+                libc::close(self.fd);
             }
-            return;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// SIGTERM, then SIGKILL after the grace period; returns once the process and
+/// all its threads are gone, so that its ports are free. Does nothing to a
+/// process that is not ours for `mark`. Fails if it outlives the SIGKILL by 2 s
+/// (stuck in the kernel): then it still holds its address.
+pub(crate) async fn stop(p: &Started, mark: &Mark) -> Result<()> {
+    let Some(process) = Opened::if_ours(p, mark) else {
+        return Ok(());
+    };
+    if !process.signal(libc::SIGTERM) || process.exited_within(STOP_GRACE).await {
+        return Ok(());
+    }
+    process.signal(libc::SIGKILL);
+    if process.exited_within(Duration::from_secs(2)).await {
+        return Ok(());
+    }
+    Err(CloudError::Failed(format!(
+        "process {} ({mark}) still runs 2s after SIGKILL, {}s after SIGTERM",
+        p.pid,
+        STOP_GRACE.as_secs()
+    )))
 }
 
 /// Starts `bin args` in a session of its own, stdio to `log`, and does not wait
@@ -275,6 +330,49 @@ mod tests {
         let (_, t2) = stat(child.id()).unwrap();
         assert!(t2 >= t, "{t2} < {t}");
         child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// A process whose main thread exits on SIGTERM while another thread keeps
+    /// its listener 1.5 s longer (as a node's runtime threads can, briefly): its
+    /// main thread is a zombie, no longer ours by /proc, but its port is taken.
+    #[tokio::test]
+    async fn a_stop_returns_once_the_last_thread_has_let_go_of_the_port() {
+        const SCRIPT: &str = r#"
+import ctypes, signal, socket, threading, time
+s = socket.socket(); s.bind(("127.62.9.11", 0)); s.listen()
+def on_term(*_):
+    threading.Thread(target=time.sleep, args=(1.5,)).start()
+    ctypes.CDLL(None).pthread_exit(None)
+signal.signal(signal.SIGTERM, on_term)
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"#;
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", SCRIPT, "--node-id", "held-port"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let port: u16 = line.trim().parse().unwrap();
+        let p = Started {
+            pid: child.id(),
+            start_time: stat(child.id()).unwrap().1,
+            // Its interpreter, found once it runs (past any launcher script).
+            exe: exe(child.id()).unwrap(),
+        };
+        let mark = Mark::node("held-port");
+        assert!(is_ours(&p, &mark));
+        stop(&p, &mark).await.unwrap();
+        assert!(
+            std::net::TcpStream::connect(("127.62.9.11", port)).is_err(),
+            "stop returned while a thread of the process still listened"
+        );
         child.wait().unwrap();
     }
 
