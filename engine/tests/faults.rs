@@ -43,7 +43,7 @@ fn node_binary() -> PathBuf {
 }
 
 /// An engine on a fresh store whose `local` cloud is behind `faults`, with a
-/// `dns` distributor (TTL 1 s) and a group of one AZ (1 to 3 nodes) declared.
+/// `dns` distributor (TTL 1 s) and a group of one AZ (1 to 3 nodes per AZ) declared.
 struct Stack {
     engine: Engine,
     faults: Faults,
@@ -56,6 +56,11 @@ struct Stack {
 impl Stack {
     /// `prefix`: the test's own loopback range, so that tests run in parallel.
     async fn new(test: &str, prefix: &str) -> Stack {
+        Stack::with_azs(test, prefix, &["az1"]).await
+    }
+
+    /// [`Stack::new`] with a group in `azs`.
+    async fn with_azs(test: &str, prefix: &str, azs: &[&str]) -> Stack {
         let dir =
             std::env::temp_dir().join(format!("lbscale-faults-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -85,7 +90,7 @@ impl Stack {
             .declare_group(&GroupSpec {
                 name: group_name.clone(),
                 cloud: CloudName::Local,
-                availability_zones: vec!["az1".into()],
+                availability_zones: azs.iter().map(|az| az.to_string()).collect(),
                 traffic_distributor_id: distributor.clone(),
                 min_nodes: 1,
                 max_nodes: 3,
@@ -1353,5 +1358,56 @@ async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
         (n.state, n.registered),
         (NodeState::Draining, false),
         "the push put the node back"
+    );
+}
+
+/// A node another AZ's workflow is still provisioning has no address yet: a
+/// scale-in's push, which goes to every AZ, passes it by (its own workflow
+/// configures it once it is up) and reaches the others.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_push_passes_by_a_node_that_has_no_address_yet() {
+    let s = Stack::with_azs("flt_push_no_address", "127.69.", &["az1", "az2"]).await;
+    s.engine.reconcile_group(&s.group).await.expect("bring the group up");
+    s.engine
+        .scale_out(&s.group, "az2", "test")
+        .await
+        .expect("a second node in az2");
+    let store = s.engine.testing_store().clone();
+    let provisioning = NodeRow {
+        id: format!("{}-az1-9-0000", s.group_name),
+        group_id: s.group.clone(),
+        az: "az1".into(),
+        seq: store.next_node_seq(&s.group).unwrap(),
+        state: NodeState::Provisioning,
+        private_ip: String::new(),
+        public_ip: None,
+        registered: false,
+        handle: serde_json::json!({}),
+        created_at: 0,
+    };
+    store.insert_node(&provisioning).unwrap();
+    // Newest first, the push met the address-less node first, retried it for
+    // its 10 s and gave up on every member ("config_push_failed").
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        s.engine.scale_in_one(&s.group, "az2", "test"),
+    )
+    .await
+    .expect("the scale-in ended within 60 s")
+    .expect("the scale-in succeeded");
+    let failed: Vec<String> = s
+        .engine
+        .events(&s.group, 100)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == "config_push_failed")
+        .map(|e| e.reason)
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    let rows = s.rows();
+    assert_eq!(
+        rows.iter().find(|n| n.id == provisioning.id),
+        Some(&provisioning),
+        "the push wrote the node it passed by"
     );
 }

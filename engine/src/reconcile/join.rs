@@ -236,6 +236,7 @@ impl Engine {
     ) -> Result<()> {
         let port = cloud.api_port(n);
         let creds = self.node_credentials(&n.group_id, token)?;
+        let started = Instant::now();
         let mut last = String::new();
         while Instant::now() < deadline {
             let attempt = async {
@@ -261,7 +262,7 @@ impl Engine {
         }
         Err(EngineError::Timeout {
             step: "wait for the node to be active",
-            after_s: 0,
+            after_s: started.elapsed().as_secs(),
             detail: format!("node {} did not take its configuration: {last}", n.id),
         })
     }
@@ -430,11 +431,13 @@ pub(crate) struct Members<'a> {
     placements: Placements,
 }
 
-/// The members among `nodes` not in `leaving`, in `nodes`' order.
+/// The members among `nodes` not in `leaving`, in `nodes`' order. A member
+/// still being provisioned by another AZ's workflow has no address yet: it is
+/// neither pushed to nor placed (its own workflow pushes once it is up).
 fn staying<'a>(nodes: &'a [NodeRow], leaving: &[String]) -> Vec<&'a NodeRow> {
     nodes
         .iter()
-        .filter(|m| m.state.is_member() && !leaving.contains(&m.id))
+        .filter(|m| m.state.is_member() && !m.private_ip.is_empty() && !leaving.contains(&m.id))
         .collect()
 }
 
