@@ -1367,7 +1367,10 @@ async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_push_passes_by_a_node_that_has_no_address_yet() {
     let s = Stack::with_azs("flt_push_no_address", "127.69.", &["az1", "az2"]).await;
-    s.engine.reconcile_group(&s.group).await.expect("bring the group up");
+    s.engine
+        .reconcile_group(&s.group)
+        .await
+        .expect("bring the group up");
     s.engine
         .scale_out(&s.group, "az2", "test")
         .await
