@@ -95,6 +95,10 @@ pub struct ServiceRt {
     /// Idle keep-alive connections to this backend (HTTP).
     pub pool: IdlePool,
     // Sampler state.
+    /// When the sampler last read this service (ns of `clock`; its creation at
+    /// first): a service's rate is over its own time since, which is not the
+    /// sampler's second when a configuration opened it earlier.
+    pub last_sample_ns: AtomicU64,
     pub last_total: AtomicU64,
     pub last_resp_us: AtomicU64,
     pub last_resp_count: AtomicU64,
@@ -145,6 +149,7 @@ impl ServiceRt {
             resp_count: AtomicU64::new(0),
             bucket: TokenBucket::default(),
             pool: IdlePool::default(),
+            last_sample_ns: AtomicU64::new(now_ns()),
             last_total: AtomicU64::new(0),
             last_resp_us: AtomicU64::new(0),
             last_resp_count: AtomicU64::new(0),

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lbscale_proto::{NodeStats, ServiceStats};
 
@@ -82,7 +82,6 @@ impl Node {
     /// Every second: a snapshot of CPU, memory and bytes for the means of
     /// `stats`, and the services' request rates.
     pub(super) async fn sampler(node: Weak<Node>) {
-        let mut last_t = Instant::now();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -94,12 +93,19 @@ impl Node {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .keep(now);
-            let dt = last_t.elapsed().as_secs_f64().max(1e-3);
-            last_t = Instant::now();
-            for vs in &node.published().vservers {
-                for e in &vs.state().services {
-                    sample_rates(&e.rt, dt);
-                }
+            let t_ns = now_ns();
+            let states: Vec<Arc<VsState>> = node
+                .published()
+                .vservers
+                .iter()
+                .map(|vs| vs.state())
+                .collect();
+            for e in states.iter().flat_map(|st| &st.services) {
+                sample_rates(&e.rt, t_ns);
+            }
+            // A removed service's last rate would otherwise stay while it drains.
+            for (_, rt) in node.removed_still_draining(&states) {
+                sample_rates(&rt, t_ns);
             }
         }
     }
@@ -167,8 +173,11 @@ impl Node {
     }
 }
 
-/// A service's request rate and average response time over the last `dt` s.
-fn sample_rates(rt: &ServiceRt, dt: f64) {
+/// A service's request rate and average response time since its last sample
+/// (or its creation), as of `t_ns`.
+fn sample_rates(rt: &ServiceRt, t_ns: u64) {
+    let since_ns = rt.last_sample_ns.swap(t_ns, Ordering::Relaxed);
+    let dt = (t_ns.saturating_sub(since_ns) as f64 / 1e9).max(1e-3);
     let total = rt.requests_total.load(Ordering::Relaxed);
     let prev = rt.last_total.swap(total, Ordering::Relaxed);
     rt.rps_bits
@@ -186,4 +195,24 @@ fn sample_rates(rt: &ServiceRt, dt: f64) {
         0.0
     };
     rt.avg_ms_bits.store(avg.to_bits(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A service a configuration opened 2 s before its first sample (one that
+    /// took that long) has its requests spread over those 2 s, not the
+    /// sampler's last second.
+    #[test]
+    fn a_rate_is_over_the_services_own_time_since_its_last_sample() {
+        let rt = ServiceRt::new("a", "127.0.0.1", 9);
+        let t = rt.last_sample_ns.load(Ordering::Relaxed) + 2_000_000_000;
+        rt.requests_total.store(200, Ordering::Relaxed);
+        sample_rates(&rt, t);
+        assert_eq!(f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)), 100.0);
+        rt.requests_total.store(250, Ordering::Relaxed);
+        sample_rates(&rt, t + 500_000_000);
+        assert_eq!(f64::from_bits(rt.rps_bits.load(Ordering::Relaxed)), 100.0);
+    }
 }
