@@ -208,6 +208,14 @@ impl Dialect {
         };
         sql.replace(NOW_MS, now)
     }
+    /// The whole number at `key` of the JSON object in text `column`, NULL
+    /// where it has none.
+    pub fn json_int(self, column: &str, key: &str) -> String {
+        match self {
+            Dialect::Sqlite => format!("CAST(json_extract({column}, '$.{key}') AS INTEGER)"),
+            Dialect::Postgres => format!("(({column})::jsonb ->> '{key}')::bigint"),
+        }
+    }
     /// Counts the store's tables other than `meta`.
     pub fn tables_sql(self) -> &'static str {
         match self {

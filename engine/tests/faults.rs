@@ -14,7 +14,7 @@ use lbscale_engine::model::{
     ThresholdSpec,
 };
 use lbscale_engine::nodeapi::auth::{node_credentials, NodeCredentials};
-use lbscale_engine::store::{NodeRow, NodeState};
+use lbscale_engine::store::{NodeRow, NodeState, CONFIG_FENCE};
 use lbscale_engine::store_testing::vserver_spec;
 use lbscale_engine::{Engine, EngineError};
 use lbscale_proto::node_api_server::{NodeApi, NodeApiServer};
@@ -1413,4 +1413,51 @@ async fn a_push_passes_by_a_node_that_has_no_address_yet() {
         Some(&provisioning),
         "the push wrote the node it passed by"
     );
+}
+
+/// Two pushes can configure one node in one order and write its row in the
+/// other (two AZs' workflows, whose leases do not exclude each other): the
+/// row keeps what the newer push (the higher configuration fence) recorded,
+/// which is what the node runs, rather than the older push's fingerprint.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_older_push_does_not_write_over_a_newer_ones_record() {
+    let s = Stack::up("flt_push_order", "127.70.").await;
+    let store = s.engine.testing_store().clone();
+    let se_id = s
+        .engine
+        .create_se_group(&se_group("flt-order-se", &s.group))
+        .await
+        .unwrap();
+    let vserver = vserver_spec("flt-order", &se_id, "TCP", 18982);
+
+    // The vserver's push configured the node and is held before its row
+    // write; meanwhile a newer push (a fence taken after this one's) wrote
+    // the row.
+    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
+    let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
+    let newer = async {
+        tokio::time::timeout(Duration::from_secs(30), held.reached())
+            .await
+            .expect("the push reached the node's row within 30 s");
+        let mut n = s.rows().remove(0);
+        let later_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+            + 60_000;
+        n.handle[CONFIG_FENCE] = later_ms.into();
+        n.handle["config_fingerprint"] = "the newer push's".into();
+        store.update_node(&n).unwrap();
+        held.release();
+        n
+    };
+    let (out, newer) = tokio::join!(pushing, newer);
+    out.expect("the push ended within 60 s")
+        .expect("the vserver is created");
+    let n = s.rows().remove(0);
+    assert_eq!(
+        n.handle, newer.handle,
+        "the older push wrote over the newer one's record"
+    );
+    assert_eq!((n.state, n.registered), (NodeState::Active, true));
 }

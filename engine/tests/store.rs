@@ -8,7 +8,8 @@
 use lbscale_core::policy::{AzState, Phase};
 use lbscale_engine::model::{CloudName, DeclaredDuration, DistributorMode, GroupSpec};
 use lbscale_engine::store::{
-    az_lease_key, daemon_claim_key, Store, StoreError, RENEW_BATCH, SCHEMA_VERSION,
+    az_lease_key, daemon_claim_key, NodeRow, NodeState, Store, StoreError, CONFIG_FENCE,
+    RENEW_BATCH, SCHEMA_VERSION,
 };
 use lbscale_engine::store_test;
 use lbscale_engine::store_testing::block_on;
@@ -555,5 +556,58 @@ store_test!(
             .lease_holder
             .is_none());
         assert!(s.group_record("nope").unwrap().is_none());
+    }
+);
+
+store_test!(
+    a_members_row_is_written_only_by_a_push_no_older_than_the_last,
+    |ts| {
+        let s = ts.open();
+        group(&s, "g1");
+        let lease = s
+            .acquire_lease(
+                &az_lease_key("g1", "az1"),
+                "engine-a",
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        let n = NodeRow {
+            id: "n1".into(),
+            group_id: "g1".into(),
+            az: "az1".into(),
+            seq: 1,
+            state: NodeState::Joining,
+            private_ip: "127.0.0.9".into(),
+            public_ip: None,
+            registered: false,
+            handle: serde_json::json!({"pid": 7}),
+            created_at: 0,
+        };
+        s.insert_node(&n).unwrap();
+        let pushed = |fence: u64, fingerprint: &str| {
+            let mut n = n.clone();
+            n.state = NodeState::Active;
+            n.handle[CONFIG_FENCE] = fence.into();
+            n.handle["config_fingerprint"] = fingerprint.into();
+            n
+        };
+        let handle = |s: &Store| s.nodes_of_group("g1").unwrap()[0].handle.clone();
+        // A row no push wrote yet takes any; a newer push's write lands over
+        // an older one's, and the same push's again (its registration).
+        assert!(s.update_member_under(&lease, &pushed(1_000, "a")).unwrap());
+        assert!(s.update_member_under(&lease, &pushed(2_000, "b")).unwrap());
+        assert!(s.update_member_under(&lease, &pushed(2_000, "b")).unwrap());
+        // An older push's does not.
+        assert!(!s.update_member_under(&lease, &pushed(1_500, "c")).unwrap());
+        assert_eq!(handle(&s)["config_fingerprint"], "b");
+        // Nor any once the node left.
+        let mut left = n.clone();
+        left.state = NodeState::Draining;
+        s.update_node(&left).unwrap();
+        assert!(!s.update_member_under(&lease, &pushed(3_000, "d")).unwrap());
+        assert_eq!(
+            s.nodes_of_group("g1").unwrap()[0].state,
+            NodeState::Draining
+        );
     }
 );

@@ -10,7 +10,7 @@ use crate::fault::{fault_point, hold_point};
 use crate::model::{GroupSpec, VserverSpec};
 use crate::nodeapi::NodeClient;
 use crate::placement;
-use crate::store::{NlbRows, NodeRow, NodeState, Row};
+use crate::store::{NlbRows, NodeRow, NodeState, Row, CONFIG_FENCE};
 use std::time::{Duration, Instant};
 
 impl Engine {
@@ -146,10 +146,11 @@ impl Engine {
             lease.check()?;
             n.handle["config_version"] = version.into();
             n.handle["config_fingerprint"] = fingerprint.into();
+            n.handle[CONFIG_FENCE] = base.fence.into();
             let activated = n.state != NodeState::Active;
             n.state = NodeState::Active;
             if !self.store.update_member_under(lease.lease(), &n)? {
-                left_meanwhile(&n);
+                row_moved_on(&n);
                 return Ok(());
             }
             if activated {
@@ -210,7 +211,7 @@ impl Engine {
         lease.check()?;
         n.registered = true;
         if !self.store.update_member_under(lease.lease(), n)? {
-            left_meanwhile(n);
+            row_moved_on(n);
             return Ok(());
         }
         self.store.record_event(
@@ -418,10 +419,14 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
     format!("{h:016x}")
 }
 
-/// A node this push read as a member was taken out since (another AZ's
-/// scale-in deregistered it): its row is left as that workflow wrote it.
-fn left_meanwhile(n: &NodeRow) {
-    tracing::info!(node = %n.id, "node left its cluster during the push; its row is left as it is");
+/// This push's copy of a node's row is outdated (see
+/// [`Store::update_member_under`]): the node was taken out since (another AZ's
+/// scale-in deregistered it), or a newer push configured it after this one.
+/// Its row is left as that workflow wrote it.
+///
+/// [`Store::update_member_under`]: crate::store::Store::update_member_under
+fn row_moved_on(n: &NodeRow) {
+    tracing::info!(node = %n.id, "node left its cluster or was configured by a newer push during this one; its row is left as it is");
 }
 
 /// The members of a group that stay, oldest first, and where its vservers

@@ -17,7 +17,7 @@
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
 use crate::sqldb::{
-    redact_url, vals, Db, PgLimits, PgPool, PgTarget, SqlRow, SqliteDb, Value, NOW_MS,
+    redact_url, vals, Db, Dialect, PgLimits, PgPool, PgTarget, SqlRow, SqliteDb, Value, NOW_MS,
 };
 use lbscale_core::policy::AzState;
 use rusqlite::Connection;
@@ -38,7 +38,7 @@ pub use events::{Event, EventRetention, EVENTS_MAX_AGE_ENV, EVENTS_MAX_PER_GROUP
 pub use leases::{az_lease_key, daemon_claim_key, daemon_member_key, distributor_lease_key, Lease};
 use leases::{fence_clause, live_lease};
 use nodes::nodes_of_group_in;
-pub use nodes::{NodeRow, NodeState};
+pub use nodes::{NodeRow, NodeState, CONFIG_FENCE};
 use schema::{INDEXES, MIGRATIONS};
 
 /// The schema version this build writes. Each entry of `MIGRATIONS` moves the store

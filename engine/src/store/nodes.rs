@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// The key in a node's handle of the configuration fence of the push that
+/// last wrote its configuration there (see [`Store::update_member_under`]).
+pub const CONFIG_FENCE: &str = "config_fence";
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRow {
     pub id: String,
@@ -135,30 +139,48 @@ impl Store {
     /// As [`Store::update_node`], fenced by `lease` in the statement itself
     /// (see [`Store::insert_node_under`]); a node that is gone is no error.
     pub fn update_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
-        let written = self.node_written_under(lease, n, "")?;
+        let written = self.node_written_under(lease, n, |_| String::new())?;
         self.fenced(lease, written, "node row not updated")
     }
 
     /// [`Store::update_node_under`] for a node read while it was a member of
-    /// its cluster (provisioning, joining or active): written only if it
-    /// still is. False, with nothing written, when another workflow took it
-    /// out since (a scale-in of another AZ, which deregisters and drains it):
-    /// a copy read before must not put it back.
+    /// its cluster (provisioning, joining or active), by a push: written only
+    /// if it still is, and only if no push under a higher configuration fence
+    /// (`config_fence` in the handle) wrote it since. False, with nothing
+    /// written, when the copy is outdated: another workflow took the node out
+    /// (a scale-in of another AZ, which deregisters and drains it), which a
+    /// copy read before must not undo; or a newer push configured it after
+    /// this one did, whose record of what the node runs must stay.
     pub fn update_member_under(&self, lease: &Lease, n: &NodeRow) -> Result<bool> {
         let members: Vec<String> = NodeState::MEMBERS
             .iter()
             .map(|m| format!("'{}'", m.as_str()))
             .collect();
-        let condition = format!("AND state IN ({})", members.join(", "));
-        let written = self.node_written_under(lease, n, &condition)?;
+        let fence = n.handle.get(CONFIG_FENCE).and_then(|f| f.as_i64());
+        let written = self.node_written_under(lease, n, |dialect| {
+            let member = format!("AND state IN ({})", members.join(", "));
+            match fence {
+                Some(fence) => format!(
+                    "{member} AND coalesce({}, 0) <= {fence}",
+                    dialect.json_int("handle", CONFIG_FENCE)
+                ),
+                None => member,
+            }
+        })?;
         self.fenced(lease, written, "node row not updated")?;
         Ok(written > 0)
     }
 
-    /// Writes `n` over its row under `lease`, if `condition` (SQL on the row,
-    /// or empty) holds: the rows written.
-    fn node_written_under(&self, lease: &Lease, n: &NodeRow, condition: &str) -> Result<u64> {
+    /// Writes `n` over its row under `lease`, if `condition` (SQL on the row
+    /// in the store's dialect, or empty) holds: the rows written.
+    fn node_written_under(
+        &self,
+        lease: &Lease,
+        n: &NodeRow,
+        condition: impl FnOnce(Dialect) -> String,
+    ) -> Result<u64> {
         self.with(|c| {
+            let condition = condition(c.dialect());
             c.execute(
                 &format!(
                     "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
