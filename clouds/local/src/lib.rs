@@ -317,9 +317,13 @@ impl Cloud for LocalCloud {
                 .ok()
                 .and_then(|b| std::fs::canonicalize(b).ok())
                 .unwrap_or_default();
+            // Every one is stopped before a failure is told.
+            let mut first_failure = Ok(());
             for p in process::find(&mark, &exe) {
-                process::stop(&p, &mark).await?;
+                let stopped = process::stop(&p, &mark).await;
+                first_failure = first_failure.and(stopped);
             }
+            first_failure?;
         }
         // Without a stored handle, the directory is where provision makes it:
         // it holds the node's key, which must not outlive the node.

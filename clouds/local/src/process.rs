@@ -12,6 +12,7 @@
 use crate::{fail, log_tail};
 use lbscale_engine::cloud::{CloudError, Result};
 use serde::{Deserialize, Serialize};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -134,40 +135,69 @@ pub(crate) fn find(mark: &Mark, exe: &Path) -> Vec<Started> {
 }
 
 /// A process that was ours when opened, named from then on by a pidfd, so that a
-/// pid handed on after it exits is never signalled. `fd` is -1 without pidfds (a
-/// kernel before 5.3): then the checks made at each step will do.
+/// pid handed on after it exits is never signalled.
 struct Opened<'a> {
     p: &'a Started,
     mark: &'a Mark,
-    fd: i32,
+    /// None without pidfds (a kernel before 5.3, or a sandbox that refuses the
+    /// call): then the /proc checks made at each step do, and a stop ends once
+    /// the main thread has exited.
+    fd: Option<OwnedFd>,
 }
 
 impl<'a> Opened<'a> {
-    /// `p` if it still runs and is ours for `mark`. The pidfd is opened before the
-    /// checks, so that it names the process they were made on.
+    /// `p` if it still runs and is ours for `mark`, or was and is exiting. The
+    /// pidfd is opened before the checks, so that it names the process they
+    /// were made on.
     fn if_ours(p: &'a Started, mark: &'a Mark) -> Option<Opened<'a>> {
-        // SAFETY: a plain system call on an integer; the descriptor is closed on drop.
+        // SAFETY: a plain system call on an integer; a descriptor it returns is
+        // ours alone, and owned (closed on drop) from here.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, p.pid as libc::pid_t, 0) } as i32;
+        let fd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) });
         let opened = Opened { p, mark, fd };
-        is_ours(p, mark).then_some(opened)
+        (is_ours(p, mark) || opened.exiting()).then_some(opened)
     }
 
-    /// Sends `signal`; whether it was sent (not once the process is gone).
-    fn signal(&self, signal: i32) -> bool {
-        // SAFETY: plain system calls on integers.
-        unsafe {
-            if self.fd >= 0 {
+    /// Whether the process was ours and is exiting: its main thread has exited
+    /// (a zombie: no executable or arguments left to check) with the start time
+    /// recorded for it, while another thread still runs. A zombie's pid is not
+    /// handed on before it is reaped, nor is it reaped before its last thread
+    /// exits, so the start time still names it. (A stop retried after a
+    /// SIGKILL finds the process so.)
+    fn exiting(&self) -> bool {
+        self.fd.is_some()
+            && self.p.start_time != 0
+            && !self.exited()
+            && stat(self.p.pid).is_some_and(|(exited, t)| exited && t == self.p.start_time)
+    }
+
+    /// Sends `signal`. A process that is gone or going is no error (the wait
+    /// that follows tells); being refused (EPERM) is.
+    fn signal(&self, signal: i32) -> Result<()> {
+        let sent = match &self.fd {
+            // SAFETY: plain system calls on integers and our own descriptor.
+            Some(fd) => unsafe {
                 libc::syscall(
                     libc::SYS_pidfd_send_signal,
-                    self.fd,
+                    fd.as_raw_fd(),
                     signal,
                     std::ptr::null::<libc::siginfo_t>(),
                     0,
                 ) == 0
-            } else {
-                is_ours(self.p, self.mark) && libc::kill(self.p.pid as libc::pid_t, signal) == 0
+            },
+            None => {
+                !is_ours(self.p, self.mark)
+                    || unsafe { libc::kill(self.p.pid as libc::pid_t, signal) == 0 }
             }
+        };
+        let err = std::io::Error::last_os_error();
+        if sent || err.raw_os_error() == Some(libc::ESRCH) {
+            return Ok(());
         }
+        Err(CloudError::Failed(format!(
+            "could not signal process {} ({}): {err}",
+            self.p.pid, self.mark
+        )))
     }
 
     /// Whether every thread of the process has exited, and so closed its sockets.
@@ -175,11 +205,11 @@ impl<'a> Opened<'a> {
     /// thread still holds the process's listeners; a pidfd reads as ready only
     /// once the last one is gone.
     fn exited(&self) -> bool {
-        if self.fd < 0 {
+        let Some(fd) = &self.fd else {
             return !is_ours(self.p, self.mark);
-        }
+        };
         let mut poll = libc::pollfd {
-            fd: self.fd,
+            fd: fd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -202,34 +232,25 @@ impl<'a> Opened<'a> {
     }
 }
 
-impl Drop for Opened<'_> {
-    fn drop(&mut self) {
-        if self.fd >= 0 {
-            // SAFETY: our own descriptor, closed once.
-            unsafe {
-                libc::close(self.fd);
-            }
-        }
-    }
-}
-
 /// SIGTERM, then SIGKILL after the grace period; returns once the process and
-/// all its threads are gone, so that its ports are free. Does nothing to a
-/// process that is not ours for `mark`. Fails if it outlives the SIGKILL by 2 s
-/// (stuck in the kernel): then it still holds its address.
+/// all its threads are gone, so that its ports are free (where the kernel has
+/// pidfds: else once its main thread is). Does nothing to a process that is not
+/// ours for `mark`. Fails if it cannot be signalled, or outlives the SIGKILL by
+/// 2 s (stuck in the kernel): then it still holds its address.
 pub(crate) async fn stop(p: &Started, mark: &Mark) -> Result<()> {
     let Some(process) = Opened::if_ours(p, mark) else {
         return Ok(());
     };
-    if !process.signal(libc::SIGTERM) || process.exited_within(STOP_GRACE).await {
+    process.signal(libc::SIGTERM)?;
+    if process.exited_within(STOP_GRACE).await {
         return Ok(());
     }
-    process.signal(libc::SIGKILL);
+    process.signal(libc::SIGKILL)?;
     if process.exited_within(Duration::from_secs(2)).await {
         return Ok(());
     }
     Err(CloudError::Failed(format!(
-        "process {} ({mark}) still runs 2s after SIGKILL, {}s after SIGTERM",
+        "process {} ({mark}) still runs 2s after the SIGKILL that followed its SIGTERM by {}s",
         p.pid,
         STOP_GRACE.as_secs()
     )))
@@ -336,8 +357,8 @@ mod tests {
     /// A process whose main thread exits on SIGTERM while another thread keeps
     /// its listener 1.5 s longer (as a node's runtime threads can, briefly): its
     /// main thread is a zombie, no longer ours by /proc, but its port is taken.
-    #[tokio::test]
-    async fn a_stop_returns_once_the_last_thread_has_let_go_of_the_port() {
+    /// Returns it, what identifies it, and its port.
+    fn holding_its_port_past_its_main_thread(mark: &Mark) -> (std::process::Child, Started, u16) {
         const SCRIPT: &str = r#"
 import ctypes, signal, socket, threading, time
 s = socket.socket(); s.bind(("127.62.9.11", 0)); s.listen()
@@ -349,7 +370,7 @@ print(s.getsockname()[1], flush=True)
 time.sleep(60)
 "#;
         let mut child = std::process::Command::new("python3")
-            .args(["-c", SCRIPT, "--node-id", "held-port"])
+            .args(["-c", SCRIPT, "--node-id", &mark.value])
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -366,11 +387,49 @@ time.sleep(60)
             // Its interpreter, found once it runs (past any launcher script).
             exe: exe(child.id()).unwrap(),
         };
+        assert!(is_ours(&p, mark));
+        (child, p, port)
+    }
+
+    fn listening(port: u16) -> bool {
+        std::net::TcpStream::connect(("127.62.9.11", port)).is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_stop_returns_once_the_last_thread_has_let_go_of_the_port() {
         let mark = Mark::node("held-port");
-        assert!(is_ours(&p, &mark));
+        let (mut child, p, port) = holding_its_port_past_its_main_thread(&mark);
         stop(&p, &mark).await.unwrap();
         assert!(
-            std::net::TcpStream::connect(("127.62.9.11", port)).is_err(),
+            !listening(port),
+            "stop returned while a thread of the process still listened"
+        );
+        child.wait().unwrap();
+    }
+
+    /// As a removal retried after a stop that failed finds it: signalled
+    /// already, its main thread gone, another thread still on the port.
+    #[tokio::test]
+    async fn a_stop_of_a_process_already_exiting_waits_for_it_too() {
+        let mark = Mark::node("held-port-exiting");
+        let (mut child, p, port) = holding_its_port_past_its_main_thread(&mark);
+        // SAFETY: a signal to our own child, not reaped yet.
+        assert_eq!(
+            unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGTERM) },
+            0
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while is_ours(&p, &mark) {
+            assert!(
+                Instant::now() < deadline,
+                "its main thread did not exit within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(listening(port), "the whole process exited at once");
+        stop(&p, &mark).await.unwrap();
+        assert!(
+            !listening(port),
             "stop returned while a thread of the process still listened"
         );
         child.wait().unwrap();
