@@ -43,7 +43,8 @@ fn node_binary() -> PathBuf {
 }
 
 /// An engine on a fresh store whose `local` cloud is behind `faults`, with a
-/// `dns` distributor (TTL 1 s) and a group of one AZ (1 to 3 nodes per AZ) declared.
+/// `dns` distributor (TTL 1 s) and a group (1 to 3 nodes per AZ) declared, in
+/// one AZ unless made [`Stack::with_azs`].
 struct Stack {
     engine: Engine,
     faults: Faults,
@@ -51,6 +52,7 @@ struct Stack {
     distributor: String,
     group: String,
     group_name: String,
+    azs: Vec<String>,
 }
 
 impl Stack {
@@ -115,6 +117,7 @@ impl Stack {
             distributor,
             group,
             group_name,
+            azs: azs.iter().map(|az| az.to_string()).collect(),
         }
     }
 
@@ -150,8 +153,6 @@ impl Stack {
 
     /// The running `lbscale-node` processes of this group, by node id.
     fn node_pids(&self) -> BTreeMap<String, u32> {
-        // The AZ too: one test's group name may begin another's.
-        let marker = format!("{}-az1-", self.group_name);
         let mut out = BTreeMap::new();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
@@ -165,7 +166,7 @@ impl Stack {
                 .map(|a| String::from_utf8_lossy(a).into_owned())
                 .collect();
             if let Some(i) = args.iter().position(|a| a == "--node-id") {
-                if let Some(id) = args.get(i + 1).filter(|id| id.starts_with(&marker)) {
+                if let Some(id) = args.get(i + 1).filter(|id| self.names_a_node(id)) {
                     out.insert(id.clone(), pid);
                 }
             }
@@ -175,6 +176,14 @@ impl Stack {
 
     /// Nothing left behind: every node process of the group has its row and
     /// every row its process, and no node directory outlives its row.
+    /// Whether `id` is a node id of this stack's group: the AZ too, since one
+    /// test's group name may begin another's.
+    fn names_a_node(&self, id: &str) -> bool {
+        self.azs
+            .iter()
+            .any(|az| id.starts_with(&format!("{}-{az}-", self.group_name)))
+    }
+
     fn assert_consistent(&self, when: &str) {
         let rows: BTreeSet<String> = self.rows().into_iter().map(|n| n.id).collect();
         assert_eq!(
@@ -186,7 +195,7 @@ impl Stack {
             .map(|d| {
                 d.flatten()
                     .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                    .filter(|n| n.starts_with(&format!("{}-az1-", self.group_name)))
+                    .filter(|n| self.names_a_node(n))
                     .collect()
             })
             .unwrap_or_default();
@@ -475,6 +484,24 @@ async fn scale_out_whose_provisioning_times_out_leaves_nothing_and_can_run_again
     assert!(s.serving().contains(&id));
     assert_eq!(s.serving().len(), 2);
     s.assert_consistent("after the second scale-out");
+}
+
+/// A cloud that answers a provisioning without the node's address: the node
+/// could be neither configured nor reached, so the provisioning fails and the
+/// node the cloud made is removed, as after any failed provisioning.
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_out_whose_node_comes_without_an_address_removes_it() {
+    let s = Stack::up("flt_out_no_address", "127.71.").await;
+    s.faults.inject(Call::Provision, Fault::NoAddress, 1);
+    let e = s
+        .engine
+        .scale_out(&s.group, "az1", "test")
+        .await
+        .unwrap_err();
+    assert!(step_of(&e).contains("provision node"), "{e}");
+    assert!(e.to_string().contains("no private address"), "{e}");
+    assert_eq!(s.rows().len(), 1, "{:?}", s.rows());
+    s.assert_consistent("after the failed scale-out");
 }
 
 #[tokio::test(flavor = "multi_thread")]

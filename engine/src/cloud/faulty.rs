@@ -39,6 +39,9 @@ pub enum Fault {
     Late(Duration),
     /// The call is done, and its answer is lost: the caller gets an error.
     Lost,
+    /// A provisioning is done and answers without the node's private address
+    /// (a cloud that has not given it one yet). Other calls are done as asked.
+    NoAddress,
 }
 
 /// One call as the test cloud saw it.
@@ -113,6 +116,17 @@ impl Faults {
         }
     }
 
+    /// Takes `fault` if it is the next one planned for `call`.
+    fn take(&self, call: Call, fault: Fault) -> bool {
+        let mut s = self.state.lock().unwrap();
+        let q = s.planned.entry(call).or_default();
+        let next = q.front() == Some(&fault);
+        if next {
+            q.pop_front();
+        }
+        next
+    }
+
     fn next(&self, call: Call) -> Option<Fault> {
         self.state
             .lock()
@@ -153,6 +167,7 @@ impl Faults {
                 tokio::time::sleep(d).await;
                 r
             }
+            Some(Fault::NoAddress) => real.await,
             Some(Fault::Lost) => {
                 let _ = real.await;
                 Err(CloudError::Failed(format!(
@@ -173,6 +188,17 @@ struct FaultyCloud {
 #[async_trait::async_trait]
 impl Cloud for FaultyCloud {
     async fn provision(&self, req: &ProvisionRequest) -> Result<Provisioned> {
+        if self.faults.take(Call::Provision, Fault::NoAddress) {
+            let at = Instant::now();
+            let out = self.inner.nodes.provision(req).await.map(|mut p| {
+                p.private_ip.clear();
+                p
+            });
+            let failed = out.is_err();
+            self.faults
+                .record(Call::Provision, at, Some(Fault::NoAddress), failed);
+            return out;
+        }
         self.faults
             .call(Call::Provision, self.inner.nodes.provision(req))
             .await

@@ -436,13 +436,13 @@ pub(crate) struct Members<'a> {
     placements: Placements,
 }
 
-/// The members among `nodes` not in `leaving`, in `nodes`' order. A member
-/// still being provisioned by another AZ's workflow has no address yet: it is
-/// neither pushed to nor placed (its own workflow pushes once it is up).
+/// The reachable members among `nodes` not in `leaving`, in `nodes`' order.
+/// A member still being provisioned by another AZ's workflow has no address
+/// yet: it is not pushed to, placed, nor anyone's group peer.
 fn staying<'a>(nodes: &'a [NodeRow], leaving: &[String]) -> Vec<&'a NodeRow> {
     nodes
         .iter()
-        .filter(|m| m.state.is_member() && !m.private_ip.is_empty() && !leaving.contains(&m.id))
+        .filter(|m| m.is_reachable_member() && !leaving.contains(&m.id))
         .collect()
 }
 

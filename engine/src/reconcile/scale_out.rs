@@ -3,7 +3,7 @@
 
 use super::leases::KeptLease;
 use super::{Engine, EngineError, Result};
-use crate::cloud::{Cloud, ProvisionRequest};
+use crate::cloud::{Cloud, CloudError, ProvisionRequest};
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
 use crate::store::{az_lease_key, now_ms, NodeRow, NodeState, Row};
@@ -132,7 +132,17 @@ impl Engine {
         };
         // Not cut short by the apply deadline: a node that exists must be recorded,
         // or it would be orphaned. The driver bounds its own start-up wait.
-        let p = match cloud.provision(&req).await {
+        // A node without an address could be neither configured nor reached.
+        let provisioned = cloud.provision(&req).await.and_then(|p| {
+            if p.private_ip.is_empty() {
+                Err(CloudError::Failed(format!(
+                    "the cloud gave node {node_id} no private address"
+                )))
+            } else {
+                Ok(p)
+            }
+        });
+        let p = match provisioned {
             Ok(p) => p,
             Err(e) => {
                 self.undo_provision(cloud, row, lease).await?;

@@ -142,7 +142,7 @@ pub(crate) fn spans_of(
     vservers: &[Row<VserverSpec>],
     nlb: &NlbRows,
 ) -> Vec<SpanView> {
-    let mut members: Vec<&NodeRow> = nodes.iter().filter(|n| n.state.is_member()).collect();
+    let mut members: Vec<&NodeRow> = nodes.iter().filter(|n| n.is_reachable_member()).collect();
     members.sort_by_key(|n| n.seq);
     let mut out = Vec::new();
     for (v, se) in with_se_groups(vservers, nlb) {

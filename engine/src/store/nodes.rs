@@ -35,6 +35,14 @@ pub enum NodeState {
     Failed,
 }
 
+impl NodeRow {
+    /// A member that has its address: what a push configures and placements
+    /// place. A member another workflow is still provisioning has none yet.
+    pub fn is_reachable_member(&self) -> bool {
+        self.state.is_member() && !self.private_ip.is_empty()
+    }
+}
+
 impl NodeState {
     pub fn as_str(self) -> &'static str {
         match self {
