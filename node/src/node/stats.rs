@@ -93,13 +93,14 @@ impl Node {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .keep(now);
-            let t_ns = now_ns();
             let states: Vec<Arc<VsState>> = node
                 .published()
                 .vservers
                 .iter()
                 .map(|vs| vs.state())
                 .collect();
+            // After the states: a service made before it was read is no younger.
+            let t_ns = now_ns();
             for e in states.iter().flat_map(|st| &st.services) {
                 sample_rates(&e.rt, t_ns);
             }
