@@ -208,12 +208,20 @@ impl Dialect {
         };
         sql.replace(NOW_MS, now)
     }
-    /// The whole number at `key` of the JSON object in text `column`, NULL
-    /// where it has none.
+    /// The number at `key` of the JSON object in text `column` as a whole
+    /// number; NULL where it has none, or something else there (both
+    /// dialects alike: neither fails the statement). `key` is a constant of
+    /// the code, never input.
     pub fn json_int(self, column: &str, key: &str) -> String {
         match self {
-            Dialect::Sqlite => format!("CAST(json_extract({column}, '$.{key}') AS INTEGER)"),
-            Dialect::Postgres => format!("(({column})::jsonb ->> '{key}')::bigint"),
+            Dialect::Sqlite => format!(
+                "(CASE WHEN json_type({column}, '$.{key}') IN ('integer', 'real') \
+                 THEN CAST(json_extract({column}, '$.{key}') AS INTEGER) END)"
+            ),
+            Dialect::Postgres => format!(
+                "(CASE WHEN jsonb_typeof(({column})::jsonb -> '{key}') = 'number' \
+                 THEN (({column})::jsonb ->> '{key}')::numeric::bigint END)"
+            ),
         }
     }
     /// Counts the store's tables other than `meta`.

@@ -600,11 +600,24 @@ store_test!(
         // An older push's does not.
         assert!(!s.update_member_under(&lease, &pushed(1_500, "c")).unwrap());
         assert_eq!(handle(&s)["config_fingerprint"], "b");
+        // A registration writes the flag alone, once, of an active node.
+        assert!(s.register_node_under(&lease, "n1").unwrap());
+        assert!(!s.register_node_under(&lease, "n1").unwrap());
+        let row = s.nodes_of_group("g1").unwrap().remove(0);
+        assert!(row.registered);
+        assert_eq!(row.handle["config_fingerprint"], "b");
+        // A stored fence that is no number (a hand-edited row) counts as none,
+        // and fails no statement.
+        let mut odd = pushed(0, "e");
+        odd.handle[CONFIG_FENCE] = "soon".into();
+        s.update_node(&odd).unwrap();
+        assert!(s.update_member_under(&lease, &pushed(1, "f")).unwrap());
         // Nor any once the node left.
         let mut left = n.clone();
         left.state = NodeState::Draining;
         s.update_node(&left).unwrap();
         assert!(!s.update_member_under(&lease, &pushed(3_000, "d")).unwrap());
+        assert!(!s.register_node_under(&lease, "n1").unwrap());
         assert_eq!(
             s.nodes_of_group("g1").unwrap()[0].state,
             NodeState::Draining

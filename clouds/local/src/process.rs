@@ -158,37 +158,45 @@ impl<'a> Opened<'a> {
         (is_ours(p, mark) || opened.exiting()).then_some(opened)
     }
 
-    /// Whether the process was ours and is exiting: its main thread has exited
-    /// (a zombie: no executable or arguments left to check) with the start time
-    /// recorded for it, while another thread still runs. A zombie's pid is not
-    /// handed on before it is reaped, nor is it reaped before its last thread
-    /// exits, so the start time still names it. (A stop retried after a
-    /// SIGKILL finds the process so.)
+    /// Whether the process was ours and is exiting: its main thread has let go
+    /// of its memory or exited (no executable or arguments left to check) but
+    /// the pid still has the start time recorded for it, while another thread
+    /// still runs. An exiting process's pid is not handed on before it is
+    /// reaped, nor is it reaped before its last thread exits, so the start
+    /// time still names it. (A stop retried after a SIGKILL finds it so.)
     fn exiting(&self) -> bool {
         self.fd.is_some()
             && self.p.start_time != 0
             && !self.exited()
-            && stat(self.p.pid).is_some_and(|(exited, t)| exited && t == self.p.start_time)
+            && stat(self.p.pid).is_some_and(|(_, t)| t == self.p.start_time)
     }
 
     /// Sends `signal`. A process that is gone or going is no error (the wait
     /// that follows tells); being refused (EPERM) is.
     fn signal(&self, signal: i32) -> Result<()> {
+        // SAFETY: plain system calls on integers and our own descriptor.
+        let by_pidfd = |fd: &OwnedFd| unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            ) == 0
+        };
+        let by_pid = || {
+            // SAFETY: a plain system call on integers.
+            !is_ours(self.p, self.mark)
+                || unsafe { libc::kill(self.p.pid as libc::pid_t, signal) == 0 }
+        };
         let sent = match &self.fd {
-            // SAFETY: plain system calls on integers and our own descriptor.
-            Some(fd) => unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    fd.as_raw_fd(),
-                    signal,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                ) == 0
-            },
-            None => {
-                !is_ours(self.p, self.mark)
-                    || unsafe { libc::kill(self.p.pid as libc::pid_t, signal) == 0 }
+            Some(fd) => {
+                by_pidfd(fd)
+                    // A sandbox that lets pidfds be opened but not signalled.
+                    || (std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS)
+                        && by_pid())
             }
+            None => by_pid(),
         };
         let err = std::io::Error::last_os_error();
         if sent || err.raw_os_error() == Some(libc::ESRCH) {

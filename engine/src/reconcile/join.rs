@@ -150,10 +150,10 @@ impl Engine {
             let activated = n.state != NodeState::Active;
             n.state = NodeState::Active;
             if !self.store.update_member_under(lease.lease(), &n)? {
+                // Registering it is still wanted if a newer push configured
+                // it (and writes nothing if it was taken out).
                 row_moved_on(&n);
-                return Ok(());
-            }
-            if activated {
+            } else if activated {
                 self.store.record_event(
                     group_id,
                     Some(&n.az),
@@ -206,14 +206,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Marks the node registered with the distributor (the caller publishes).
+    /// Marks the node registered with the distributor (the caller publishes),
+    /// if it is active and not registered yet: its flag alone, so that a
+    /// newer push's record of its configuration stays.
     fn register(&self, group_id: &str, n: &mut NodeRow, lease: &KeptLease) -> Result<()> {
         lease.check()?;
-        n.registered = true;
-        if !self.store.update_member_under(lease.lease(), n)? {
-            row_moved_on(n);
+        if !self.store.register_node_under(lease.lease(), &n.id)? {
+            tracing::debug!(node = %n.id, "not registered: no longer active, or registered already");
             return Ok(());
         }
+        n.registered = true;
         self.store.record_event(
             group_id,
             Some(&n.az),
@@ -422,7 +424,7 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
 /// This push's copy of a node's row is outdated (see
 /// [`Store::update_member_under`]): the node was taken out since (another AZ's
 /// scale-in deregistered it), or a newer push configured it after this one.
-/// Its row is left as that workflow wrote it.
+/// Its row is left as that workflow wrote it (the registration aside).
 ///
 /// [`Store::update_member_under`]: crate::store::Store::update_member_under
 fn row_moved_on(n: &NodeRow) {

@@ -3,7 +3,7 @@
 
 use super::leases::KeptLease;
 use super::{Engine, EngineError, Result};
-use crate::cloud::{Cloud, CloudError, ProvisionRequest};
+use crate::cloud::{Cloud, ProvisionRequest};
 use crate::fault::fault_point;
 use crate::model::GroupSpec;
 use crate::store::{az_lease_key, now_ms, NodeRow, NodeState, Row};
@@ -132,17 +132,7 @@ impl Engine {
         };
         // Not cut short by the apply deadline: a node that exists must be recorded,
         // or it would be orphaned. The driver bounds its own start-up wait.
-        // A node without an address could be neither configured nor reached.
-        let provisioned = cloud.provision(&req).await.and_then(|p| {
-            if p.private_ip.is_empty() {
-                Err(CloudError::Failed(format!(
-                    "the cloud gave node {node_id} no private address"
-                )))
-            } else {
-                Ok(p)
-            }
-        });
-        let p = match provisioned {
+        let p = match cloud.provision(&req).await {
             Ok(p) => p,
             Err(e) => {
                 self.undo_provision(cloud, row, lease).await?;
@@ -156,6 +146,15 @@ impl Engine {
         row.private_ip = p.private_ip;
         row.public_ip = p.public_ip;
         row.handle = p.handle;
+        // A node without an address could be neither configured nor reached;
+        // the handle the cloud gave names it exactly for the removal.
+        if row.private_ip.is_empty() {
+            self.undo_provision(cloud, row, lease).await?;
+            return Err(EngineError::Step {
+                step: "provision node",
+                detail: format!("the cloud gave node {node_id} no private address"),
+            });
+        }
         if let Err(e) = lease.check() {
             // Another holder owns the group now and may already have given up
             // on this row: stop the process that only this run knows of.

@@ -17,7 +17,7 @@
 
 use crate::model::{DistributorSpec, GroupSpec, SeGroupSpec, VserverSpec};
 use crate::sqldb::{
-    redact_url, vals, Db, Dialect, PgLimits, PgPool, PgTarget, SqlRow, SqliteDb, Value, NOW_MS,
+    redact_url, vals, Db, PgLimits, PgPool, PgTarget, SqlRow, SqliteDb, Value, NOW_MS,
 };
 use lbscale_core::policy::AzState;
 use rusqlite::Connection;

@@ -147,66 +147,99 @@ impl Store {
     /// As [`Store::update_node`], fenced by `lease` in the statement itself
     /// (see [`Store::insert_node_under`]); a node that is gone is no error.
     pub fn update_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
-        let written = self.node_written_under(lease, n, |_| String::new())?;
+        let written = self.node_written_under(lease, n, None)?;
         self.fenced(lease, written, "node row not updated")
     }
 
     /// [`Store::update_node_under`] for a node read while it was a member of
     /// its cluster (provisioning, joining or active), by a push: written only
     /// if it still is, and only if no push under a higher configuration fence
-    /// (`config_fence` in the handle) wrote it since. False, with nothing
-    /// written, when the copy is outdated: another workflow took the node out
-    /// (a scale-in of another AZ, which deregisters and drains it), which a
-    /// copy read before must not undo; or a newer push configured it after
-    /// this one did, whose record of what the node runs must stay.
+    /// (`config_fence` in the handle; none counts as 0) configured it since.
+    /// False, with nothing written, when the copy is outdated: another
+    /// workflow took the node out (a scale-in of another AZ, which deregisters
+    /// and drains it), which a copy read before must not undo; or a newer push
+    /// configured it after this one did, whose record of what the node runs
+    /// must stay.
     pub fn update_member_under(&self, lease: &Lease, n: &NodeRow) -> Result<bool> {
-        let members: Vec<String> = NodeState::MEMBERS
-            .iter()
-            .map(|m| format!("'{}'", m.as_str()))
-            .collect();
-        let fence = n.handle.get(CONFIG_FENCE).and_then(|f| f.as_i64());
-        let written = self.node_written_under(lease, n, |dialect| {
-            let member = format!("AND state IN ({})", members.join(", "));
-            match fence {
-                Some(fence) => format!(
-                    "{member} AND coalesce({}, 0) <= {fence}",
-                    dialect.json_int("handle", CONFIG_FENCE)
-                ),
-                None => member,
-            }
-        })?;
+        let fence = match n.handle.get(CONFIG_FENCE) {
+            None => 0,
+            Some(f) => f.as_i64().ok_or_else(|| StoreError::Decode {
+                what: "node handle",
+                detail: format!("{CONFIG_FENCE} of node {} is not a whole number: {f}", n.id),
+            })?,
+        };
+        let written = self.node_written_under(lease, n, Some(fence))?;
         self.fenced(lease, written, "node row not updated")?;
         Ok(written > 0)
     }
 
-    /// Writes `n` over its row under `lease`, if `condition` (SQL on the row
-    /// in the store's dialect, or empty) holds: the rows written.
+    /// Marks an active node registered with its distributor, under `lease`,
+    /// writing nothing else: whichever push configured it last keeps its
+    /// record. False, with nothing written, when the node is not active (it
+    /// left its cluster since) or is registered already.
+    pub fn register_node_under(&self, lease: &Lease, id: &str) -> Result<bool> {
+        let written = self.with(|c| {
+            c.execute(
+                &format!(
+                    "UPDATE nodes SET registered = 1, updated_at = ?2
+                     WHERE id = ?1 AND state = '{}' AND registered = 0 AND {}",
+                    NodeState::Active.as_str(),
+                    fence_clause(3)
+                ),
+                vals![id, self.now(), &lease.group_id, &lease.holder, lease.fence],
+            )
+        })?;
+        self.fenced(lease, written, "node not registered")?;
+        Ok(written > 0)
+    }
+
+    /// Writes `n` over its row under `lease`: the rows written. With
+    /// `member_fence`, only over a member's row that no push under a higher
+    /// configuration fence wrote (see [`Store::update_member_under`]).
     fn node_written_under(
         &self,
         lease: &Lease,
         n: &NodeRow,
-        condition: impl FnOnce(Dialect) -> String,
+        member_fence: Option<i64>,
     ) -> Result<u64> {
         self.with(|c| {
-            let condition = condition(c.dialect());
+            let mut params = vals![
+                &n.id,
+                n.state.as_str(),
+                n.registered,
+                n.handle.to_string(),
+                self.now(),
+                &n.private_ip,
+                &n.public_ip,
+                &lease.group_id,
+                &lease.holder,
+                lease.fence
+            ]
+            .to_vec();
+            // The fence is a parameter, so that the statement's text (and
+            // what PostgreSQL prepared for it) is the same for every push.
+            let condition = match member_fence {
+                None => String::new(),
+                Some(fence) => {
+                    params.push(fence.into());
+                    let members: Vec<String> = NodeState::MEMBERS
+                        .iter()
+                        .map(|m| format!("'{}'", m.as_str()))
+                        .collect();
+                    format!(
+                        "AND state IN ({}) AND coalesce({}, 0) <= CAST(?11 AS BIGINT)",
+                        members.join(", "),
+                        c.dialect().json_int("handle", CONFIG_FENCE)
+                    )
+                }
+            };
             c.execute(
                 &format!(
                     "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
                      private_ip = ?6, public_ip = ?7 WHERE id = ?1 {condition} AND {}",
                     fence_clause(8)
                 ),
-                vals![
-                    &n.id,
-                    n.state.as_str(),
-                    n.registered,
-                    n.handle.to_string(),
-                    self.now(),
-                    &n.private_ip,
-                    &n.public_ip,
-                    &lease.group_id,
-                    &lease.holder,
-                    lease.fence
-                ],
+                &params,
             )
         })
     }
