@@ -1358,34 +1358,50 @@ async fn a_groups_node_connections_share_its_credentials_and_resume_one_session(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_push_does_not_put_back_a_node_another_workflow_took_out() {
     let s = Stack::up("flt_push_writeback", "127.68.").await;
-    let store = s.engine.testing_store().clone();
-    let se = se_group("flt-writeback-se", &s.group);
-    let se_id = s.engine.create_se_group(&se).await.unwrap();
-    let vserver = vserver_spec("flt-writeback", &se_id, "TCP", 18980);
-
-    // The new vserver is pushed to the node; the push is held after the node
-    // took it, before the push writes the node's row.
-    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
-    let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
-    let taking_out = async {
-        tokio::time::timeout(Duration::from_secs(30), held.reached())
-            .await
-            .expect("the push reached the node's row within 30 s");
-        let mut n = s.rows().remove(0);
+    let n = a_push_meets_its_row_rewritten(&s, "flt-writeback", 18980, |n| {
         n.state = NodeState::Draining;
         n.registered = false;
-        store.update_node(&n).unwrap();
-        held.release();
-    };
-    let (out, ()) = tokio::join!(pushing, taking_out);
-    out.expect("the push ended within 60 s")
-        .expect("the vserver is created");
-    let n = s.rows().remove(0);
+    })
+    .await;
     assert_eq!(
         (n.state, n.registered),
         (NodeState::Draining, false),
         "the push put the node back"
     );
+}
+
+/// Creates vserver `name` on `port` on the stack's one node. Its push is held
+/// after the node took the configuration, before the push writes the node's
+/// row; meanwhile `meanwhile` rewrites the row, as another workflow would.
+/// Returns the row once the vserver is created.
+async fn a_push_meets_its_row_rewritten(
+    s: &Stack,
+    name: &str,
+    port: u16,
+    meanwhile: impl FnOnce(&mut NodeRow),
+) -> NodeRow {
+    let store = s.engine.testing_store().clone();
+    let se_id = s
+        .engine
+        .create_se_group(&se_group(&format!("{name}-se"), &s.group))
+        .await
+        .unwrap();
+    let vserver = vserver_spec(name, &se_id, "TCP", port.into());
+    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
+    let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
+    let rewriting = async {
+        tokio::time::timeout(Duration::from_secs(30), held.reached())
+            .await
+            .expect("the push reached the node's row within 30 s");
+        let mut n = s.rows().remove(0);
+        meanwhile(&mut n);
+        store.update_node(&n).unwrap();
+        held.release();
+    };
+    let (out, ()) = tokio::join!(pushing, rewriting);
+    out.expect("the push ended within 60 s")
+        .expect("the vserver is created");
+    s.rows().remove(0)
 }
 
 /// A node another AZ's workflow is still provisioning has no address yet: a
@@ -1449,41 +1465,22 @@ async fn a_push_passes_by_a_node_that_has_no_address_yet() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_older_push_does_not_write_over_a_newer_ones_record() {
     let s = Stack::up("flt_push_order", "127.70.").await;
-    let store = s.engine.testing_store().clone();
-    let se_id = s
-        .engine
-        .create_se_group(&se_group("flt-order-se", &s.group))
-        .await
-        .unwrap();
-    let vserver = vserver_spec("flt-order", &se_id, "TCP", 18982);
-
-    // The vserver's push configured the node and is held before its row
-    // write; meanwhile a newer push (a fence taken after this one's) wrote
-    // the row.
-    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
-    let pushing = tokio::time::timeout(Duration::from_secs(60), s.engine.create_vserver(&vserver));
-    let newer = async {
-        tokio::time::timeout(Duration::from_secs(30), held.reached())
-            .await
-            .expect("the push reached the node's row within 30 s");
-        let mut n = s.rows().remove(0);
-        let later_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-            + 60_000;
+    // A push under a fence taken after this one's (a minute later).
+    let later_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        + 60_000;
+    let mut newer = None;
+    let n = a_push_meets_its_row_rewritten(&s, "flt-order", 18982, |n| {
         n.handle[CONFIG_FENCE] = later_ms.into();
         n.handle["config_fingerprint"] = "the newer push's".into();
-        store.update_node(&n).unwrap();
-        held.release();
-        n
-    };
-    let (out, newer) = tokio::join!(pushing, newer);
-    out.expect("the push ended within 60 s")
-        .expect("the vserver is created");
-    let n = s.rows().remove(0);
+        newer = Some(n.handle.clone());
+    })
+    .await;
     assert_eq!(
-        n.handle, newer.handle,
+        Some(n.handle.clone()),
+        newer,
         "the older push wrote over the newer one's record"
     );
     assert_eq!((n.state, n.registered), (NodeState::Active, true));
