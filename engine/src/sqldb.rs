@@ -208,19 +208,18 @@ impl Dialect {
         };
         sql.replace(NOW_MS, now)
     }
-    /// The number at `key` of the JSON object in text `column` as a whole
-    /// number; NULL where it has none, or something else there (both
-    /// dialects alike: neither fails the statement). `key` is a constant of
-    /// the code, never input.
-    pub fn json_int(self, column: &str, key: &str) -> String {
+    /// The number at `key` of the JSON object in text `column`, compared
+    /// exactly (no cast that could fail or round); NULL where it has none, or
+    /// something else there. `key` is a constant of the code, never input.
+    pub fn json_number(self, column: &str, key: &str) -> String {
         match self {
             Dialect::Sqlite => format!(
                 "(CASE WHEN json_type({column}, '$.{key}') IN ('integer', 'real') \
-                 THEN CAST(json_extract({column}, '$.{key}') AS INTEGER) END)"
+                 THEN json_extract({column}, '$.{key}') END)"
             ),
             Dialect::Postgres => format!(
                 "(CASE WHEN jsonb_typeof(({column})::jsonb -> '{key}') = 'number' \
-                 THEN (({column})::jsonb ->> '{key}')::numeric::bigint END)"
+                 THEN (({column})::jsonb ->> '{key}')::numeric END)"
             ),
         }
     }

@@ -1485,3 +1485,50 @@ async fn an_older_push_does_not_write_over_a_newer_ones_record() {
     );
     assert_eq!((n.state, n.registered), (NodeState::Active, true));
 }
+
+/// A scale-out's push whose record of its new node's configuration was
+/// refused (a newer push configured the node and made it active meanwhile)
+/// still registers the node, which that push had not yet done, and tells of
+/// it once; it does not tell of the activation it did not make.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_push_outrun_by_a_newer_one_still_registers_the_node() {
+    let s = Stack::up("flt_push_register", "127.72.").await;
+    let store = s.engine.testing_store().clone();
+    let count = |s: &Stack, kind: &str| s.event_kinds().iter().filter(|k| *k == kind).count();
+    let (active_before, registered_before) =
+        (count(&s, "node_active"), count(&s, "node_registered"));
+    let later_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        + 60_000;
+    // The push reaches the new node first (newest first).
+    let held = lbscale_engine::fault::holds::hold("join_before_node_write", &s.group);
+    let scaling = tokio::time::timeout(
+        Duration::from_secs(60),
+        s.engine.scale_out(&s.group, "az1", "test"),
+    );
+    let newer = async {
+        tokio::time::timeout(Duration::from_secs(30), held.reached())
+            .await
+            .expect("the push reached the new node's row within 30 s");
+        let mut n = s.rows().into_iter().max_by_key(|n| n.seq).unwrap();
+        assert_eq!((n.state, n.registered), (NodeState::Joining, false));
+        n.state = NodeState::Active;
+        n.handle[CONFIG_FENCE] = later_ms.into();
+        n.handle["config_fingerprint"] = "the newer push's".into();
+        store.update_node(&n).unwrap();
+        held.release();
+        n
+    };
+    let (out, newer) = tokio::join!(scaling, newer);
+    let id = out
+        .expect("the scale-out ended within 60 s")
+        .expect("the scale-out succeeded");
+    assert_eq!(id, newer.id);
+    let n = s.rows().into_iter().find(|n| n.id == id).unwrap();
+    assert_eq!(n.handle, newer.handle, "the newer record stays");
+    assert!(n.registered, "the node was left unregistered");
+    assert_eq!(count(&s, "node_registered"), registered_before + 1);
+    assert_eq!(count(&s, "node_active"), active_before);
+}

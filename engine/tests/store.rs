@@ -560,7 +560,7 @@ store_test!(
 );
 
 store_test!(
-    a_members_row_is_written_only_by_a_push_no_older_than_the_last,
+    a_push_records_a_members_configuration_only_over_an_older_ones,
     |ts| {
         let s = ts.open();
         group(&s, "g1");
@@ -584,43 +584,76 @@ store_test!(
             created_at: 0,
         };
         s.insert_node(&n).unwrap();
-        let pushed = |fence: u64, fingerprint: &str| {
+        let pushed = |fence: serde_json::Value, fingerprint: &str| {
             let mut n = n.clone();
-            n.state = NodeState::Active;
-            n.handle[CONFIG_FENCE] = fence.into();
+            n.handle[CONFIG_FENCE] = fence;
             n.handle["config_fingerprint"] = fingerprint.into();
             n
         };
-        let handle = |s: &Store| s.nodes_of_group("g1").unwrap()[0].handle.clone();
-        // A row no push wrote yet takes any; a newer push's write lands over
-        // an older one's, and the same push's again (its registration).
-        assert!(s.update_member_under(&lease, &pushed(1_000, "a")).unwrap());
-        assert!(s.update_member_under(&lease, &pushed(2_000, "b")).unwrap());
-        assert!(s.update_member_under(&lease, &pushed(2_000, "b")).unwrap());
+        let row = |s: &Store| s.nodes_of_group("g1").unwrap().remove(0);
+        // A row no push recorded yet takes any record; a newer push's lands
+        // over an older one's, and the same push's again.
+        assert!(s
+            .record_config_under(&lease, &pushed(1_000.into(), "a"))
+            .unwrap());
+        assert!(s
+            .record_config_under(&lease, &pushed(2_000.into(), "b"))
+            .unwrap());
+        assert!(s
+            .record_config_under(&lease, &pushed(2_000.into(), "b"))
+            .unwrap());
         // An older push's does not.
-        assert!(!s.update_member_under(&lease, &pushed(1_500, "c")).unwrap());
-        assert_eq!(handle(&s)["config_fingerprint"], "b");
-        // A registration writes the flag alone, once, of an active node.
+        assert!(!s
+            .record_config_under(&lease, &pushed(1_500.into(), "c"))
+            .unwrap());
+        // The record writes the handle alone.
+        assert_eq!(
+            (
+                row(&s).handle["config_fingerprint"].clone(),
+                row(&s).state,
+                row(&s).registered
+            ),
+            ("b".into(), NodeState::Joining, false)
+        );
+        // Activation and registration each once; registration only of an
+        // active node.
+        assert!(!s.register_node_under(&lease, "n1").unwrap());
+        assert!(s.activate_node_under(&lease, "n1").unwrap());
+        assert!(!s.activate_node_under(&lease, "n1").unwrap());
         assert!(s.register_node_under(&lease, "n1").unwrap());
         assert!(!s.register_node_under(&lease, "n1").unwrap());
-        let row = s.nodes_of_group("g1").unwrap().remove(0);
-        assert!(row.registered);
-        assert_eq!(row.handle["config_fingerprint"], "b");
-        // A stored fence that is no number (a hand-edited row) counts as none,
-        // and fails no statement.
-        let mut odd = pushed(0, "e");
-        odd.handle[CONFIG_FENCE] = "soon".into();
-        s.update_node(&odd).unwrap();
-        assert!(s.update_member_under(&lease, &pushed(1, "f")).unwrap());
-        // Nor any once the node left.
-        let mut left = n.clone();
+        assert!(row(&s).registered);
+        // A stored fence that is no whole number (a hand-edited row) fails no
+        // statement: a string counts as none, a number as itself.
+        for (odd, newer_lands) in [
+            (serde_json::json!("soon"), true),
+            (serde_json::json!(1e19), false),
+            (serde_json::json!(2_000.5), false),
+            (serde_json::json!(1_999.5), true),
+        ] {
+            let mut edited = row(&s);
+            edited.handle[CONFIG_FENCE] = odd.clone();
+            s.update_node(&edited).unwrap();
+            assert_eq!(
+                s.record_config_under(&lease, &pushed(2_000.into(), "e"))
+                    .unwrap(),
+                newer_lands,
+                "over a stored {odd}"
+            );
+        }
+        // Nothing once the node left.
+        let mut left = row(&s);
         left.state = NodeState::Draining;
+        left.registered = false;
         s.update_node(&left).unwrap();
-        assert!(!s.update_member_under(&lease, &pushed(3_000, "d")).unwrap());
+        assert!(!s
+            .record_config_under(&lease, &pushed(3_000.into(), "d"))
+            .unwrap());
+        assert!(!s.activate_node_under(&lease, "n1").unwrap());
         assert!(!s.register_node_under(&lease, "n1").unwrap());
         assert_eq!(
-            s.nodes_of_group("g1").unwrap()[0].state,
-            NodeState::Draining
+            (row(&s).state, row(&s).registered),
+            (NodeState::Draining, false)
         );
     }
 );

@@ -159,16 +159,20 @@ impl<'a> Opened<'a> {
     }
 
     /// Whether the process was ours and is exiting: its main thread has let go
-    /// of its memory or exited (no executable or arguments left to check) but
-    /// the pid still has the start time recorded for it, while another thread
-    /// still runs. An exiting process's pid is not handed on before it is
-    /// reaped, nor is it reaped before its last thread exits, so the start
-    /// time still names it. (A stop retried after a SIGKILL finds it so.)
+    /// of its memory or exited (no executable or arguments left to check),
+    /// with the start time recorded for it, while another thread still runs.
+    /// An exiting process's pid is not handed on before it is reaped, nor is
+    /// it reaped before its last thread exits, so the start time still names
+    /// it. (A stop retried after a SIGKILL finds it so.)
     fn exiting(&self) -> bool {
         self.fd.is_some()
             && self.p.start_time != 0
             && !self.exited()
-            && stat(self.p.pid).is_some_and(|(_, t)| t == self.p.start_time)
+            && stat(self.p.pid).is_some_and(|(exited, t)| {
+                // Not merely the same pid and start tick (after a reboot,
+                // another program could have both): one that is exiting.
+                t == self.p.start_time && (exited || exe(self.p.pid).is_none())
+            })
     }
 
     /// Sends `signal`. A process that is gone or going is no error (the wait
@@ -186,7 +190,7 @@ impl<'a> Opened<'a> {
         };
         let by_pid = || {
             // SAFETY: a plain system call on integers.
-            !is_ours(self.p, self.mark)
+            !(is_ours(self.p, self.mark) || self.exiting())
                 || unsafe { libc::kill(self.p.pid as libc::pid_t, signal) == 0 }
         };
         let sent = match &self.fd {

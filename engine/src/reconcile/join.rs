@@ -147,13 +147,15 @@ impl Engine {
             n.handle["config_version"] = version.into();
             n.handle["config_fingerprint"] = fingerprint.into();
             n.handle[CONFIG_FENCE] = base.fence.into();
-            let activated = n.state != NodeState::Active;
-            n.state = NodeState::Active;
-            if !self.store.update_member_under(lease.lease(), &n)? {
-                // Registering it is still wanted if a newer push configured
-                // it (and writes nothing if it was taken out).
+            if !self.store.record_config_under(lease.lease(), &n)? {
                 row_moved_on(&n);
-            } else if activated {
+            }
+            // Even when a newer push recorded its configuration instead: the
+            // node runs one. Nothing is written if the node left its cluster,
+            // nor by the second of two pushes that made it active.
+            if n.state != NodeState::Active
+                && self.store.activate_node_under(lease.lease(), &n.id)?
+            {
                 self.store.record_event(
                     group_id,
                     Some(&n.az),
@@ -422,13 +424,13 @@ fn config_fingerprint(config: &lbscale_proto::NodeConfig) -> String {
 }
 
 /// This push's copy of a node's row is outdated (see
-/// [`Store::update_member_under`]): the node was taken out since (another AZ's
+/// [`Store::record_config_under`]): the node was taken out since (another AZ's
 /// scale-in deregistered it), or a newer push configured it after this one.
-/// Its row is left as that workflow wrote it (the registration aside).
+/// Its record of the configuration is left as that workflow wrote it.
 ///
-/// [`Store::update_member_under`]: crate::store::Store::update_member_under
+/// [`Store::record_config_under`]: crate::store::Store::record_config_under
 fn row_moved_on(n: &NodeRow) {
-    tracing::info!(node = %n.id, "node left its cluster or was configured by a newer push during this one; its row is left as it is");
+    tracing::info!(node = %n.id, "node left its cluster or was configured by a newer push during this one; its configuration's record is left as it is");
 }
 
 /// The members of a group that stay, oldest first, and where its vservers

@@ -76,6 +76,12 @@ impl NodeState {
     }
 }
 
+/// `states` as the list of an SQL `IN (...)`.
+fn in_list(states: &[NodeState]) -> String {
+    let quoted: Vec<String> = states.iter().map(|s| format!("'{}'", s.as_str())).collect();
+    quoted.join(", ")
+}
+
 impl Store {
     pub fn next_node_seq(&self, group_id: &str) -> Result<i64> {
         self.with(|c| {
@@ -147,20 +153,21 @@ impl Store {
     /// As [`Store::update_node`], fenced by `lease` in the statement itself
     /// (see [`Store::insert_node_under`]); a node that is gone is no error.
     pub fn update_node_under(&self, lease: &Lease, n: &NodeRow) -> Result<()> {
-        let written = self.node_written_under(lease, n, None)?;
+        let written = self.node_written_under(lease, n)?;
         self.fenced(lease, written, "node row not updated")
     }
 
-    /// [`Store::update_node_under`] for a node read while it was a member of
-    /// its cluster (provisioning, joining or active), by a push: written only
-    /// if it still is, and only if no push under a higher configuration fence
-    /// (`config_fence` in the handle; none counts as 0) configured it since.
-    /// False, with nothing written, when the copy is outdated: another
-    /// workflow took the node out (a scale-in of another AZ, which deregisters
-    /// and drains it), which a copy read before must not undo; or a newer push
-    /// configured it after this one did, whose record of what the node runs
-    /// must stay.
-    pub fn update_member_under(&self, lease: &Lease, n: &NodeRow) -> Result<bool> {
+    /// Records under `lease` the configuration a push gave a member of its
+    /// cluster (provisioning, joining or active): `n`'s handle, with the push's
+    /// `config_fence`, and nothing else (its state and registration have
+    /// writes of their own). Written only if the node is still a member and
+    /// no push under a higher fence recorded its configuration since (a
+    /// handle without one counts as 0). False, with nothing written, when
+    /// the push's copy is outdated: another workflow took the node out (a
+    /// scale-in of another AZ, which deregisters and drains it), which a copy
+    /// read before must not undo; or a newer push configured it after this
+    /// one did, whose record of what the node runs must stay.
+    pub fn record_config_under(&self, lease: &Lease, n: &NodeRow) -> Result<bool> {
         let fence = match n.handle.get(CONFIG_FENCE) {
             None => 0,
             Some(f) => f.as_i64().ok_or_else(|| StoreError::Decode {
@@ -168,78 +175,104 @@ impl Store {
                 detail: format!("{CONFIG_FENCE} of node {} is not a whole number: {f}", n.id),
             })?,
         };
-        let written = self.node_written_under(lease, n, Some(fence))?;
-        self.fenced(lease, written, "node row not updated")?;
+        let written = self.with(|c| {
+            // The fence is a parameter, so that the statement's text (and what
+            // PostgreSQL prepared for it) is the same for every push.
+            c.execute(
+                &format!(
+                    "UPDATE nodes SET handle = ?2, updated_at = ?3
+                     WHERE id = ?1 AND state IN ({}) AND coalesce({}, 0) <= CAST(?4 AS BIGINT)
+                     AND {}",
+                    in_list(&NodeState::MEMBERS),
+                    c.dialect().json_number("handle", CONFIG_FENCE),
+                    fence_clause(5)
+                ),
+                vals![
+                    &n.id,
+                    n.handle.to_string(),
+                    self.now(),
+                    fence,
+                    &lease.group_id,
+                    &lease.holder,
+                    lease.fence
+                ],
+            )
+        })?;
+        self.fenced(lease, written, "node configuration not recorded")?;
         Ok(written > 0)
     }
 
-    /// Marks an active node registered with its distributor, under `lease`,
-    /// writing nothing else: whichever push configured it last keeps its
-    /// record. False, with nothing written, when the node is not active (it
-    /// left its cluster since) or is registered already.
+    /// Makes a provisioning or joining node active, under `lease`: whether it
+    /// was (false once it is active already, or left its cluster), so that
+    /// of two pushes that configured it only one tells of it.
+    pub fn activate_node_under(&self, lease: &Lease, id: &str) -> Result<bool> {
+        let set = format!("state = '{}'", NodeState::Active.as_str());
+        let joining = in_list(&[NodeState::Provisioning, NodeState::Joining]);
+        let condition = format!("state IN ({joining})");
+        self.node_set_under(lease, id, &set, &condition, "node not made active")
+    }
+
+    /// Marks an active node registered with its distributor, under `lease`:
+    /// whether it was (false when the node is not active, having left its
+    /// cluster since, or is registered already).
     pub fn register_node_under(&self, lease: &Lease, id: &str) -> Result<bool> {
+        let condition = format!(
+            "state = '{}' AND registered = 0",
+            NodeState::Active.as_str()
+        );
+        self.node_set_under(
+            lease,
+            id,
+            "registered = 1",
+            &condition,
+            "node not registered",
+        )
+    }
+
+    /// Sets `set` (SQL) on node `id` under `lease`, where `condition` (SQL on
+    /// its row) holds: whether it did.
+    fn node_set_under(
+        &self,
+        lease: &Lease,
+        id: &str,
+        set: &str,
+        condition: &str,
+        what: &str,
+    ) -> Result<bool> {
         let written = self.with(|c| {
             c.execute(
                 &format!(
-                    "UPDATE nodes SET registered = 1, updated_at = ?2
-                     WHERE id = ?1 AND state = '{}' AND registered = 0 AND {}",
-                    NodeState::Active.as_str(),
+                    "UPDATE nodes SET {set}, updated_at = ?2 WHERE id = ?1 AND {condition} AND {}",
                     fence_clause(3)
                 ),
                 vals![id, self.now(), &lease.group_id, &lease.holder, lease.fence],
             )
         })?;
-        self.fenced(lease, written, "node not registered")?;
+        self.fenced(lease, written, what)?;
         Ok(written > 0)
     }
 
-    /// Writes `n` over its row under `lease`: the rows written. With
-    /// `member_fence`, only over a member's row that no push under a higher
-    /// configuration fence wrote (see [`Store::update_member_under`]).
-    fn node_written_under(
-        &self,
-        lease: &Lease,
-        n: &NodeRow,
-        member_fence: Option<i64>,
-    ) -> Result<u64> {
+    /// Writes `n` over its row under `lease`: the rows written.
+    fn node_written_under(&self, lease: &Lease, n: &NodeRow) -> Result<u64> {
         self.with(|c| {
-            let mut params = vals![
-                &n.id,
-                n.state.as_str(),
-                n.registered,
-                n.handle.to_string(),
-                self.now(),
-                &n.private_ip,
-                &n.public_ip,
-                &lease.group_id,
-                &lease.holder,
-                lease.fence
-            ]
-            .to_vec();
-            // The fence is a parameter, so that the statement's text (and
-            // what PostgreSQL prepared for it) is the same for every push.
-            let condition = match member_fence {
-                None => String::new(),
-                Some(fence) => {
-                    params.push(fence.into());
-                    let members: Vec<String> = NodeState::MEMBERS
-                        .iter()
-                        .map(|m| format!("'{}'", m.as_str()))
-                        .collect();
-                    format!(
-                        "AND state IN ({}) AND coalesce({}, 0) <= CAST(?11 AS BIGINT)",
-                        members.join(", "),
-                        c.dialect().json_int("handle", CONFIG_FENCE)
-                    )
-                }
-            };
             c.execute(
                 &format!(
                     "UPDATE nodes SET state = ?2, registered = ?3, handle = ?4, updated_at = ?5,
-                     private_ip = ?6, public_ip = ?7 WHERE id = ?1 {condition} AND {}",
+                     private_ip = ?6, public_ip = ?7 WHERE id = ?1 AND {}",
                     fence_clause(8)
                 ),
-                &params,
+                vals![
+                    &n.id,
+                    n.state.as_str(),
+                    n.registered,
+                    n.handle.to_string(),
+                    self.now(),
+                    &n.private_ip,
+                    &n.public_ip,
+                    &lease.group_id,
+                    &lease.holder,
+                    lease.fence
+                ],
             )
         })
     }
