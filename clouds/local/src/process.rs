@@ -61,16 +61,33 @@ impl std::fmt::Display for Mark {
     }
 }
 
-/// What /proc/PID/stat says: whether the process has exited (a zombie waits
-/// only for its parent to reap it) and its start time.
-fn stat(pid: u32) -> Option<(bool, u64)> {
+/// What /proc/PID/stat says of a process.
+struct Stat {
+    /// Its main thread has exited (a zombie waits only for its parent to reap
+    /// it, and for its other threads).
+    exited: bool,
+    /// Its main thread has begun to exit (the kernel's PF_EXITING flag), or
+    /// has exited.
+    exiting: bool,
+    /// Field 22: clock ticks after boot.
+    start_time: u64,
+}
+
+fn stat(pid: u32) -> Option<Stat> {
+    const PF_EXITING: u64 = 0x4;
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold anything.
     let (_, rest) = text.rsplit_once(')')?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `fields[0]` is field 3 (the state), so field 22 is `fields[19]`.
+    // `fields[0]` is field 3 (the state), so field 9 (the flags) is
+    // `fields[6]` and field 22 is `fields[19]`.
     let exited = matches!(fields.first(), Some(&"Z") | Some(&"X"));
-    Some((exited, fields.get(19)?.parse().ok()?))
+    let flags: u64 = fields.get(6)?.parse().ok()?;
+    Some(Stat {
+        exited,
+        exiting: exited || flags & PF_EXITING != 0,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
 }
 
 /// The executable of `pid`; a binary replaced since it started (a rebuild)
@@ -99,7 +116,10 @@ pub(crate) fn is_ours(p: &Started, mark: &Mark) -> bool {
     if p.pid == 0 {
         return false;
     }
-    let Some((exited, start_time)) = stat(p.pid) else {
+    let Some(Stat {
+        exited, start_time, ..
+    }) = stat(p.pid)
+    else {
         return false;
     };
     if exited || (p.start_time != 0 && start_time != p.start_time) {
@@ -126,7 +146,7 @@ pub(crate) fn find(mark: &Mark, exe: &Path) -> Vec<Started> {
         .filter_map(|pid| {
             let p = Started {
                 pid,
-                start_time: stat(pid)?.1,
+                start_time: stat(pid)?.start_time,
                 exe: exe.to_path_buf(),
             };
             is_ours(&p, mark).then_some(p)
@@ -158,9 +178,10 @@ impl<'a> Opened<'a> {
         (is_ours(p, mark) || opened.exiting()).then_some(opened)
     }
 
-    /// Whether the process was ours and is exiting: its main thread has let go
-    /// of its memory or exited (no executable or arguments left to check),
-    /// with the start time recorded for it, while another thread still runs.
+    /// Whether the process was ours and is exiting: the kernel marks its main
+    /// thread as exiting or exited (with no executable or arguments left to
+    /// check), with the start time recorded for it, while another thread
+    /// still runs.
     /// An exiting process's pid is not handed on before it is reaped, nor is
     /// it reaped before its last thread exits, so the start time still names
     /// it. (A stop retried after a SIGKILL finds it so.)
@@ -168,11 +189,9 @@ impl<'a> Opened<'a> {
         self.fd.is_some()
             && self.p.start_time != 0
             && !self.exited()
-            && stat(self.p.pid).is_some_and(|(exited, t)| {
-                // Not merely the same pid and start tick (after a reboot,
-                // another program could have both): one that is exiting.
-                t == self.p.start_time && (exited || exe(self.p.pid).is_none())
-            })
+            // Not merely the same pid and start tick (after a reboot another
+            // program could have both): one the kernel marks as exiting.
+            && stat(self.p.pid).is_some_and(|st| st.exiting && st.start_time == self.p.start_time)
     }
 
     /// Sends `signal`. A process that is gone or going is no error (the wait
@@ -316,7 +335,7 @@ pub(crate) fn spawn_detached(
     let pid = child.id();
     let started = Started {
         pid,
-        start_time: stat(pid).map_or(0, |(_, t)| t),
+        start_time: stat(pid).map_or(0, |st| st.start_time),
         exe,
     };
     // Liveness checks look at /proc/PID/exe and cmdline: make sure they show
@@ -352,15 +371,19 @@ mod tests {
 
     #[test]
     fn the_start_time_is_field_22_whatever_the_command_name() {
-        let (exited, t) = stat(std::process::id()).unwrap();
-        assert!(!exited);
+        let Stat {
+            exited,
+            exiting,
+            start_time: t,
+        } = stat(std::process::id()).unwrap();
+        assert!(!exited && !exiting);
         assert!(t > 0);
         // Another process started later has a later (or equal) start time.
         let mut child = std::process::Command::new("sleep")
             .arg("5")
             .spawn()
             .unwrap();
-        let (_, t2) = stat(child.id()).unwrap();
+        let t2 = stat(child.id()).unwrap().start_time;
         assert!(t2 >= t, "{t2} < {t}");
         child.kill().unwrap();
         child.wait().unwrap();
@@ -395,7 +418,7 @@ time.sleep(60)
         let port: u16 = line.trim().parse().unwrap();
         let p = Started {
             pid: child.id(),
-            start_time: stat(child.id()).unwrap().1,
+            start_time: stat(child.id()).unwrap().start_time,
             // Its interpreter, found once it runs (past any launcher script).
             exe: exe(child.id()).unwrap(),
         };

@@ -3,7 +3,7 @@
 use super::*;
 
 /// The key in a node's handle of the configuration fence of the push that
-/// last wrote its configuration there (see [`Store::update_member_under`]).
+/// last recorded its configuration there (see [`Store::record_config_under`]).
 pub const CONFIG_FENCE: &str = "config_fence";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
