@@ -468,14 +468,7 @@ async fn scale_out_whose_provisioning_times_out_leaves_nothing_and_can_run_again
     let s = Stack::up("flt_out_timeout", "127.88.").await;
     s.faults
         .inject(Call::Provision, Fault::Timeout(Duration::from_secs(1)), 1);
-    let e = s
-        .engine
-        .scale_out(&s.group, "az1", "test")
-        .await
-        .unwrap_err();
-    assert!(step_of(&e).contains("provision node"), "{e}");
-    assert_eq!(s.rows().len(), 1, "{:?}", s.rows());
-    s.assert_consistent("after the failed scale-out");
+    scale_out_fails_at_provisioning_and_leaves_nothing(&s).await;
     let id = s
         .engine
         .scale_out(&s.group, "az1", "test")
@@ -493,15 +486,22 @@ async fn scale_out_whose_provisioning_times_out_leaves_nothing_and_can_run_again
 async fn scale_out_whose_node_comes_without_an_address_removes_it() {
     let s = Stack::up("flt_out_no_address", "127.71.").await;
     s.faults.inject(Call::Provision, Fault::NoAddress, 1);
+    let e = scale_out_fails_at_provisioning_and_leaves_nothing(&s).await;
+    assert!(e.to_string().contains("no private address"), "{e}");
+}
+
+/// A scale-out of the stack's one-node group that fails at provisioning and
+/// leaves no node, row or process behind: its error.
+async fn scale_out_fails_at_provisioning_and_leaves_nothing(s: &Stack) -> EngineError {
     let e = s
         .engine
         .scale_out(&s.group, "az1", "test")
         .await
         .unwrap_err();
     assert!(step_of(&e).contains("provision node"), "{e}");
-    assert!(e.to_string().contains("no private address"), "{e}");
     assert_eq!(s.rows().len(), 1, "{:?}", s.rows());
     s.assert_consistent("after the failed scale-out");
+    e
 }
 
 #[tokio::test(flavor = "multi_thread")]

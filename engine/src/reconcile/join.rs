@@ -168,7 +168,7 @@ impl Engine {
             }
         }
         if !n.registered {
-            self.register(group_id, &mut n, lease)?;
+            self.register(group_id, &n, lease)?;
         }
         Ok(())
     }
@@ -211,13 +211,12 @@ impl Engine {
     /// Marks the node registered with the distributor (the caller publishes),
     /// if it is active and not registered yet: its flag alone, so that a
     /// newer push's record of its configuration stays.
-    fn register(&self, group_id: &str, n: &mut NodeRow, lease: &KeptLease) -> Result<()> {
+    fn register(&self, group_id: &str, n: &NodeRow, lease: &KeptLease) -> Result<()> {
         lease.check()?;
         if !self.store.register_node_under(lease.lease(), &n.id)? {
             tracing::debug!(node = %n.id, "not registered: no longer active, or registered already");
             return Ok(());
         }
-        n.registered = true;
         self.store.record_event(
             group_id,
             Some(&n.az),
