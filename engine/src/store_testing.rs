@@ -9,12 +9,18 @@
 //!
 //! [`store_test!`](crate::store_test) writes one test body as two tests,
 //! `NAME::sqlite` and `NAME::postgres`.
+//!
+//! [`Link`] relays a client's connections to the test server and can stall
+//! them: a server that stops answering, as that client sees it.
 
 use crate::model::{ServiceSpec, VserverSpec};
 use crate::store::{Store, StoreError, PG_WRITE_LOCK};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
+
+mod link;
+pub use link::{Link, Stall};
 
 pub const POSTGRES_URL_VAR: &str = "LBSCALE_TEST_POSTGRES_URL";
 /// The CA certificate (PEM) that signed the test server's TLS certificate.
@@ -164,90 +170,6 @@ pub fn backends_named(url: &str, app: &str) -> Vec<i32> {
         .collect())
     })
     .unwrap_or_else(|e| panic!("listing the backends named {app}: {e}"))
-}
-
-/// Sends `sig` (`-STOP`, `-CONT`) to PostgreSQL backends (the test server runs
-/// as this user, or the tests as root).
-pub fn signal_backends(sig: &str, pids: &[i32]) {
-    for pid in pids {
-        let st = std::process::Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(st.success(), "kill {sig} {pid} failed");
-    }
-}
-
-/// A stalled database, as one client sees it: every backend of the
-/// connections named `app` is stopped (SIGSTOP) as soon as it is idle, those
-/// opened meanwhile too, until this is dropped; then all go on (SIGCONT).
-///
-/// Only idle backends are stopped: a backend stopped inside a transaction
-/// keeps its locks, and no timeout of the server or step of a client can end
-/// it while it does not run (a frozen server host). An idle one is what a
-/// stalled server or a half-open socket looks like to the client: calls sent
-/// to it never answer.
-pub struct StoppedBackends {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Vec<i32>>>,
-}
-
-impl StoppedBackends {
-    /// Starts stopping; returns once at least one backend is stopped (at most
-    /// 10 s, else panics naming `app`).
-    pub fn start(url: &str, app: &str) -> StoppedBackends {
-        use std::sync::atomic::Ordering;
-        let (url, name, app) = (url.to_string(), app.to_string(), app.to_string());
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let (first_tx, first_rx) = mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            let mut c = url
-                .parse::<postgres::Config>()
-                .unwrap()
-                .connect(postgres::NoTls)
-                .unwrap();
-            let mut stopped: Vec<i32> = Vec::new();
-            let mut first = Some(first_tx);
-            while !flag.load(Ordering::SeqCst) {
-                let pids: Vec<i32> = c
-                    .query(
-                        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle'",
-                        &[&app],
-                    )
-                    .map(|rows| rows.iter().map(|r| r.get(0)).collect())
-                    .unwrap_or_default();
-                let new: Vec<i32> = pids.into_iter().filter(|p| !stopped.contains(p)).collect();
-                signal_backends("-STOP", &new);
-                stopped.extend(new);
-                if !stopped.is_empty() {
-                    if let Some(tx) = first.take() {
-                        let _ = tx.send(());
-                    }
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            stopped
-        });
-        first_rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .unwrap_or_else(|_| panic!("no idle backend named {name} to stop within 10 s"));
-        StoppedBackends {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for StoppedBackends {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            if let Ok(pids) = t.join() {
-                signal_backends("-CONT", &pids);
-            }
-        }
-    }
 }
 
 impl TestStore {

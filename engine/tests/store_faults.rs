@@ -1,17 +1,15 @@
 //! The store under faults: hosts whose clocks disagree, a PostgreSQL server
 //! that stops answering, and a store that grows for months.
 //!
-//! The stalled-server tests stop this store's own backend processes on the
-//! test server with SIGSTOP (`store_testing::StoppedBackends`: found by the
-//! `application_name` of the store's URL in `pg_stat_activity`), as a stalled
-//! server or a half-open socket leaves them, and let them go on at the end.
+//! The stalled-server tests reach the test server through a relay that stops
+//! relaying (`store_testing::Link`): the store's calls get no answer, as from
+//! a stalled server or over a half-open socket, while the server runs on.
 
 use lbscale_engine::reconcile::KeptLease;
 use lbscale_engine::store::{daemon_claim_key, EventRetention, Store, StoreError};
 use lbscale_engine::store_test;
 use lbscale_engine::store_testing::{
-    backends_named, block_on, postgres_admin_url, signal_backends, with_pg_client, Kind,
-    StoppedBackends, TestStore,
+    backends_named, block_on, postgres_admin_url, with_pg_client, Kind, Link, TestStore,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -285,10 +283,6 @@ fn backends(ts: &TestStore, app: &str) -> Vec<i32> {
     backends_named(&ts.url, app)
 }
 
-fn signal(sig: &str, pids: &[i32]) {
-    signal_backends(sig, pids)
-}
-
 /// A multi-threaded runtime of `workers` worker threads (and at most
 /// `max_blocking` blocking-pool threads, when given), for the tests that
 /// watch what a store call does to it.
@@ -315,24 +309,27 @@ fn ticking_for(span: Duration) -> tokio::task::JoinHandle<(usize, Duration)> {
     })
 }
 
-fn postgres_store(name: &str) -> Option<(TestStore, String, Arc<Store>)> {
+/// A PostgreSQL store whose connections are named `app` and go through a
+/// [`Link`] that the test can stall.
+fn postgres_store(name: &str) -> Option<(TestStore, String, Link, Arc<Store>)> {
     let ts = TestStore::new(Kind::Postgres, name)?;
     let app = format!("lbt-{name}-{}", std::process::id());
-    let s = Store::open_url(&format!("{}?application_name={app}", ts.url), &ts.dir).unwrap();
-    Some((ts, app, Arc::new(s)))
+    let link = Link::to(&ts.url);
+    let s = Store::open_url(&format!("{}?application_name={app}", link.url), &ts.dir).unwrap();
+    Some((ts, app, link, Arc::new(s)))
 }
 
 // A call on a stalled connection fails at its deadline, holds up no other
 // call of the process meanwhile, and the health probe says so in time.
 #[test]
 fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
-    let Some((ts, app, s)) = postgres_store("stalled_call") else {
+    let Some((ts, app, link, s)) = postgres_store("stalled_call") else {
         return;
     };
     group(&s, "g1");
     assert!(!backends(&ts, &app).is_empty());
     {
-        let _stall = StoppedBackends::start(&ts.url, &app);
+        let _stall = link.stall();
         let t = Instant::now();
         let err = s.probe(Duration::from_secs(2)).unwrap_err();
         assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
@@ -361,10 +358,9 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
     assert!(s.group("g1").unwrap().is_some());
 
     // One stalled call holds no process-wide lock: while a call waits on a
-    // stopped backend, another call of the same store answers (or says the
+    // stalled connection, another call of the same store answers (or says the
     // store is unreachable) within its own deadline, not after the first.
-    let mid = backends(&ts, &app);
-    signal("-STOP", &mid);
+    let stall = link.stall();
     let busy = s.clone();
     let stuck = std::thread::spawn(move || {
         let t = Instant::now();
@@ -374,9 +370,9 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
     let t = Instant::now();
     let probed = s.probe(Duration::from_secs(2));
     let waited = t.elapsed();
-    signal("-CONT", &mid);
+    drop(stall);
     let (first, first_took) = stuck.join().unwrap();
-    eprintln!("stopped {mid:?}; probe {probed:?} after {waited:?}; first call {first:?} after {first_took:?}");
+    eprintln!("probe {probed:?} after {waited:?}; first call {first:?} after {first_took:?}");
     assert!(
         waited < Duration::from_secs(5),
         "a call waited {waited:?} behind a stalled one"
@@ -388,7 +384,7 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
 // lease by the database's clock, and the first one, resumed, cannot renew it.
 #[test]
 fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
-    let Some((ts, app, s)) = postgres_store("kept_lease") else {
+    let Some((ts, _app, link, s)) = postgres_store("kept_lease") else {
         return;
     };
     let other = ts.open();
@@ -401,7 +397,7 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
         // Renewed past its first TTL while the store answers.
         tokio::time::sleep(ttl + Duration::from_secs(1)).await;
         kept.check().expect("the renewed lease is still ours");
-        let stall = StoppedBackends::start(&ts.url, &app);
+        let stall = link.stall();
         let t = Instant::now();
         while !kept.is_lost() {
             assert!(
@@ -446,12 +442,12 @@ fn a_kept_lease_that_cannot_be_renewed_stops_its_work_within_its_ttl() {
 // tasks of the runtime it is called from, even with a single worker thread.
 #[test]
 fn a_stalled_store_call_does_not_block_the_runtime() {
-    let Some((ts, app, s)) = postgres_store("runtime") else {
+    let Some((_ts, _app, link, s)) = postgres_store("runtime") else {
         return;
     };
     group(&s, "g1");
     let rt = runtime(1, None);
-    let stall = StoppedBackends::start(&ts.url, &app);
+    let stall = link.stall();
     rt.block_on(async move {
         // Ticks every 20 ms, from before the stalled call until after it.
         let ticks = ticking_for(Duration::from_millis(3500));
@@ -484,9 +480,10 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
         return;
     };
     let app = format!("lbt-stalled-group-read-{}", std::process::id());
+    let link = Link::to(&ts.url);
     // lock_wait 1 s: statement_timeout 6 s, the call's deadline 11 s.
     let s = Store::open_postgres(
-        &format!("{}?application_name={app}", ts.url),
+        &format!("{}?application_name={app}", link.url),
         &ts.dir,
         Duration::from_secs(1),
     )
@@ -498,7 +495,7 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
         .unwrap()
         .expect("g1 is there");
     assert_eq!(read.record.row.id, "g1");
-    let stall = StoppedBackends::start(&ts.url, &app);
+    let stall = link.stall();
     let s = Arc::new(s);
     let s2 = s.clone();
     let (r, took, gap) = rt.block_on(async move {
@@ -547,7 +544,7 @@ fn a_stalled_group_read_gives_up_at_its_deadline_and_holds_no_worker() {
 // once the writers are through, and the runtime's other tasks run all along.
 #[test]
 fn evaluation_reads_and_writes_wait_for_a_busy_pool_without_a_thread_each() {
-    let Some((ts, app, s)) = postgres_store("busy_pool") else {
+    let Some((ts, app, _link, s)) = postgres_store("busy_pool") else {
         return;
     };
     group(&s, "g1");
@@ -649,7 +646,7 @@ fn evaluation_reads_and_writes_wait_for_a_busy_pool_without_a_thread_each() {
 // connections again the read answers.
 #[test]
 fn a_read_after_a_failed_reconnect_says_why() {
-    let Some((ts, app, s)) = postgres_store("reconnect_refused") else {
+    let Some((ts, app, _link, s)) = postgres_store("reconnect_refused") else {
         return;
     };
     let admin = postgres_admin_url("reconnect_refused").expect("the test server");

@@ -1,17 +1,17 @@
 //! A stalled database stops a daemon from acting, not from noticing.
 //!
-//! Two daemons on one PostgreSQL store; the first owns the group. Its
-//! database backends are then stopped (SIGSTOP) for 30 s, as a stalled
-//! server or a half-open socket leaves them: its calls get no answer. Its
-//! `/healthz` says so (503 with the reason) while its HTTP API keeps
-//! answering; its claim runs out, the second daemon takes the group over;
-//! once the backends go on, the first is a follower and healthy again, and
+//! Two daemons on one PostgreSQL store; the first owns the group and reaches
+//! the database through a relay (`store_testing::Link`). The relay then
+//! passes nothing for 30 s, as a stalled server or a half-open socket
+//! leaves a client: its calls get no answer. Its `/healthz` says so (503
+//! with the reason) while its HTTP API keeps answering; its claim runs out, the second daemon takes the group over;
+//! once the relay goes on, the first is a follower and healthy again, and
 //! the group has the nodes it had (nothing was done twice). Needs
 //! `LBSCALE_TEST_POSTGRES_URL` (fails without it when `CI=true`, skipped with
 //! a note otherwise).
 
 use lbscale_acceptance::*;
-use lbscale_engine::store_testing::{backends_named, Kind, StoppedBackends, TestStore};
+use lbscale_engine::store_testing::{backends_named, Kind, Link, TestStore};
 use std::time::{Duration, Instant};
 
 const CONFIG: &str = r#"
@@ -74,7 +74,8 @@ fn a_daemon_whose_database_stalls_reports_it_and_hands_the_group_over() {
 
     let app_a = format!("lbt-stall-a-{}", std::process::id());
     let app_b = format!("lbt-stall-b-{}", std::process::id());
-    ws.state = Some(with_app(&ts.url, &app_a));
+    let link = Link::to(&ts.url);
+    ws.state = Some(with_app(&link.url, &app_a));
     let a = Daemon::start(&ws, free_port(), "a");
     wait_for("daemon a to own the group", Duration::from_secs(30), || {
         (owner(&a) == "self").then_some(())
@@ -91,7 +92,7 @@ fn a_daemon_whose_database_stalls_reports_it_and_hands_the_group_over() {
 
     // The stall.
     let started = Instant::now();
-    let stall = StoppedBackends::start(&ts.url, &app_a);
+    let stall = link.stall();
     let (code, body) = wait_for(
         "daemon a's /healthz to say the store is unreachable",
         Duration::from_secs(15),
