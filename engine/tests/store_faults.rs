@@ -327,6 +327,7 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
         return;
     };
     group(&s, "g1");
+    // The store's connections reach the server, through the link.
     assert!(!backends(&ts, &app).is_empty());
     {
         let _stall = link.stall();
@@ -343,7 +344,7 @@ fn a_stalled_postgres_connection_holds_up_only_its_own_call() {
             "{err}"
         );
     }
-    // The stalled backends go on; the store works again, with what it had.
+    // The link relays again; the store works again, with what it had.
     let t = Instant::now();
     loop {
         match s.probe(Duration::from_secs(2)) {
@@ -460,7 +461,7 @@ fn a_stalled_store_call_does_not_block_the_runtime() {
         let (r, took) = stuck.await.unwrap();
         let (count, gap) = ticks.await.unwrap();
         eprintln!("{count} ticks, longest gap {gap:?}; the stalled call {r:?} after {took:?}");
-        assert!(r.is_err(), "the probe answered on a stopped backend");
+        assert!(r.is_err(), "the probe answered through a stalled link");
         assert!(took >= Duration::from_secs(2), "{took:?}");
         assert!(
             gap < Duration::from_millis(1000),

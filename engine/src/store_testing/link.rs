@@ -5,14 +5,12 @@
 //!
 //! The server itself runs on meanwhile, so a stall never freezes it: its own
 //! timeouts (`statement_timeout`, `idle_in_transaction_session_timeout`) end
-//! what a stalled client left open, and other clients are not held up. (An
-//! earlier version stopped the client's backends with SIGSTOP: one stopped
-//! just after it had left the idle state could hold a lock of the whole
-//! server, and then every client waited, the test's own included.)
+//! what a stalled client left open, and other clients are not held up (a
+//! backend stopped with SIGSTOP instead may hold a lock of the whole server).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,10 +25,35 @@ const CONNECT_DEADLINE: Duration = Duration::from_secs(5);
 struct Flags {
     stalled: AtomicBool,
     closed: AtomicBool,
+    /// Writes and onward connects under way: a stall begins once they end.
+    passing: AtomicUsize,
 }
 
-/// The relay; `url` is the server's URL through it. Dropped, it closes every
-/// connection it relays.
+impl Flags {
+    /// Waits until nothing is stalled and counts a pass begun; false once the
+    /// link is closed. Counting before looking at the flag, as `stall` sets
+    /// the flag before looking at the count, lets no pass slip past a stall.
+    fn begin_pass(&self) -> bool {
+        loop {
+            if self.closed.load(Ordering::SeqCst) {
+                return false;
+            }
+            self.passing.fetch_add(1, Ordering::SeqCst);
+            if !self.stalled.load(Ordering::SeqCst) {
+                return true;
+            }
+            self.passing.fetch_sub(1, Ordering::SeqCst);
+            std::thread::sleep(POLL);
+        }
+    }
+
+    fn end_pass(&self) {
+        self.passing.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The relay; `url` is the server's URL through it. Dropped, it ends every
+/// connection it relays (each within a poll, or a write's deadline).
 pub struct Link {
     /// The server's URL with this relay's address in place of the server's.
     pub url: String,
@@ -43,7 +66,16 @@ pub struct Stall<'a>(&'a Link);
 
 impl Link {
     /// A relay to the server of `url` (`postgres://user:pw@host:port/db?...`).
+    /// Panics on a URL that names its server elsewhere too (several hosts,
+    /// `host=` or `port=` parameters): its store would pass the link by.
     pub fn to(url: &str) -> Link {
+        assert!(
+            !authority(url).contains(',')
+                && !url.contains("host=")
+                && !url.contains("hostaddr=")
+                && !url.contains("port="),
+            "Link::to: the URL must name one server, in its authority only"
+        );
         let server = server_addr(url);
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the link's port");
         let listen = listener.local_addr().unwrap();
@@ -54,9 +86,13 @@ impl Link {
                 if f.closed.load(Ordering::SeqCst) {
                     break;
                 }
-                if let Ok(client) = client {
-                    let (f, server) = (f.clone(), server.clone());
-                    std::thread::spawn(move || connect(client, &server, &f));
+                match client {
+                    Ok(client) => {
+                        let (f, server) = (f.clone(), server.clone());
+                        std::thread::spawn(move || connect(client, &server, &f));
+                    }
+                    // Out of descriptors, say: not a reason to spin.
+                    Err(_) => std::thread::sleep(POLL),
                 }
             }
         });
@@ -67,9 +103,18 @@ impl Link {
         }
     }
 
-    /// Stops relaying until the answer is dropped.
+    /// Stops relaying until the answer is dropped; returns once no byte
+    /// passes (a write under way ends first, within its deadline).
     pub fn stall(&self) -> Stall<'_> {
         self.flags.stalled.store(true, Ordering::SeqCst);
+        let until = std::time::Instant::now() + WRITE_DEADLINE + POLL;
+        while self.flags.passing.load(Ordering::SeqCst) > 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "a write through the link did not end within {WRITE_DEADLINE:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         Stall(self)
     }
 }
@@ -91,13 +136,12 @@ impl Drop for Link {
 /// Opens the onward connection once the link is not stalled, then relays
 /// both ways.
 fn connect(client: TcpStream, server: &str, flags: &Arc<Flags>) {
-    while flags.stalled.load(Ordering::SeqCst) {
-        if flags.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        std::thread::sleep(POLL);
+    if !flags.begin_pass() {
+        return;
     }
-    let Some(upstream) = server_stream(server) else {
+    let upstream = server_stream(server);
+    flags.end_pass();
+    let Some(upstream) = upstream else {
         return;
     };
     for s in [&client, &upstream] {
@@ -136,10 +180,12 @@ fn relay(mut from: TcpStream, mut to: TcpStream, flags: &Flags) {
             Ok(0) => break,
             Ok(n) => {
                 // A read that a stall began under holds its bytes.
-                while flags.stalled.load(Ordering::SeqCst) && !flags.closed.load(Ordering::SeqCst) {
-                    std::thread::sleep(POLL);
+                if !flags.begin_pass() {
+                    break;
                 }
-                if to.write_all(&buf[..n]).is_err() {
+                let written = to.write_all(&buf[..n]);
+                flags.end_pass();
+                if written.is_err() {
                     break;
                 }
             }

@@ -4,11 +4,11 @@
 //! the database through a relay (`store_testing::Link`). The relay then
 //! passes nothing for 30 s, as a stalled server or a half-open socket
 //! leaves a client: its calls get no answer. Its `/healthz` says so (503
-//! with the reason) while its HTTP API keeps answering; its claim runs out, the second daemon takes the group over;
-//! once the relay goes on, the first is a follower and healthy again, and
-//! the group has the nodes it had (nothing was done twice). Needs
-//! `LBSCALE_TEST_POSTGRES_URL` (fails without it when `CI=true`, skipped with
-//! a note otherwise).
+//! with the reason) while its HTTP API keeps answering; its claim runs out,
+//! the second daemon takes the group over; once the relay goes on, the first
+//! is a follower and healthy again, and the group has the nodes it had
+//! (nothing was done twice). Needs `LBSCALE_TEST_POSTGRES_URL` (fails without
+//! it when `CI=true`, skipped with a note otherwise).
 
 use lbscale_acceptance::*;
 use lbscale_engine::store_testing::{backends_named, Kind, Link, TestStore};
@@ -88,6 +88,7 @@ fn a_daemon_whose_database_stalls_reports_it_and_hands_the_group_over() {
         Duration::from_secs(30),
         || Some(owner(&b)).filter(|o| o.starts_with("daemon-")),
     );
+    // Daemon a's connections reach the server, through the link.
     assert!(!backends_named(&ts.url, &app_a).is_empty());
 
     // The stall.
