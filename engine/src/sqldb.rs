@@ -548,9 +548,18 @@ impl Drop for Slot {
 }
 
 impl PgConn {
-    /// Connects on a new thread, within the connect timeout, with the session
-    /// settings of `limits`. `slot` is released when the thread ends.
-    fn connect(target: &PgTarget, limits: PgLimits, slot: Slot) -> Result<PgConn> {
+    /// Connects on a new thread, with the session settings of `limits`, for a
+    /// call of `deadline`: it waits for the connect at most the connect
+    /// timeout or `deadline`, whichever is shorter, and then `deadline` for
+    /// the session's settings (so a short call, the health probe, is not
+    /// held up for a whole connect timeout by a server that stalls).
+    /// `slot` is released when the thread ends.
+    fn connect(
+        target: &PgTarget,
+        limits: PgLimits,
+        slot: Slot,
+        deadline: Duration,
+    ) -> Result<PgConn> {
         let open_err = |detail: String| StoreError::Open {
             store: target.redacted.clone(),
             detail: scrub(&detail, target.secret.as_deref()),
@@ -572,7 +581,8 @@ impl PgConn {
             .get_connect_timeout()
             .copied()
             .unwrap_or(CONNECT_TIMEOUT)
-            + limits.call_deadline;
+            .min(deadline)
+            + deadline;
         match ready_rx.recv_timeout(wait) {
             Ok(Ok(())) => Ok(PgConn {
                 tx,
@@ -771,7 +781,7 @@ impl PgPool {
             }
             if let Some(slot) = self.reserve() {
                 drop(idle);
-                let mut c = PgConn::connect(&self.target, self.limits, slot)?;
+                let mut c = PgConn::connect(&self.target, self.limits, slot, deadline)?;
                 c.deadline = deadline;
                 return Ok(Pooled {
                     pool: self,
@@ -819,7 +829,7 @@ impl PgPool {
                 let (target, limits, idle) = (self.target.clone(), self.limits, self.idle.clone());
                 let (opened_tx, opened) = tokio::sync::oneshot::channel();
                 tokio::task::spawn_blocking(move || {
-                    let conn = PgConn::connect(&target, limits, slot);
+                    let conn = PgConn::connect(&target, limits, slot, limits.call_deadline);
                     // The caller stopped waiting (its task was cancelled):
                     // the connection is kept for the next one, not closed.
                     if let Err(Ok(conn)) = opened_tx.send(conn) {

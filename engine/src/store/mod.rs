@@ -397,8 +397,9 @@ impl Store {
     }
 
     /// Whether the store answers a trivial query within `deadline` (waiting
-    /// for a free connection included), and no earlier call still waits past
-    /// its deadline: the daemon's health probe.
+    /// for a free connection included; opening one waits at most twice the
+    /// deadline), and no earlier call still waits past its deadline: the
+    /// daemon's health probe.
     pub fn probe(&self, deadline: Duration) -> Result<()> {
         match &self.backend {
             Backend::Sqlite(_) => self.with(|c| c.int("SELECT 1", &[]).map(|_| ())),
