@@ -548,17 +548,15 @@ impl Drop for Slot {
 }
 
 impl PgConn {
-    /// Connects on a new thread, with the session settings of `limits`, for a
-    /// call of `deadline`: it waits for the connect at most the connect
-    /// timeout or `deadline`, whichever is shorter, and then `deadline` for
-    /// the session's settings (so a short call, the health probe, is not
-    /// held up for a whole connect timeout by a server that stalls).
-    /// `slot` is released when the thread ends.
+    /// Connects on a new thread, with the session settings of `limits`,
+    /// waiting at most `within` for the connection to be ready (connect,
+    /// TLS, authentication, settings). A connect given up on counts as a
+    /// stalled call until its thread ends; `slot` is released then.
     fn connect(
         target: &PgTarget,
         limits: PgLimits,
         slot: Slot,
-        deadline: Duration,
+        within: Duration,
     ) -> Result<PgConn> {
         let open_err = |detail: String| StoreError::Open {
             store: target.redacted.clone(),
@@ -576,14 +574,7 @@ impl PgConn {
                 worker(config, tls, limits, secret, rx, ready_tx)
             })
             .map_err(|e| StoreError::Sql(format!("cannot start the PostgreSQL thread: {e}")))?;
-        let wait = target
-            .config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(CONNECT_TIMEOUT)
-            .min(deadline)
-            + deadline;
-        match ready_rx.recv_timeout(wait) {
+        match ready_rx.recv_timeout(within) {
             Ok(Ok(())) => Ok(PgConn {
                 tx,
                 secret: target.secret.clone(),
@@ -594,11 +585,19 @@ impl PgConn {
                 stalls,
             }),
             Ok(Err(f)) => Err(open_err(f.message)),
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(StoreError::Unreachable(format!(
-                "{}: no connection within {} s",
-                target.redacted,
-                wait.as_secs()
-            ))),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if state
+                    .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    stalls.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(StoreError::Unreachable(format!(
+                    "{}: no connection within {} ms",
+                    target.redacted,
+                    within.as_millis()
+                )))
+            }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 Err(open_err("the PostgreSQL thread ended".into()))
             }
@@ -770,9 +769,28 @@ impl PgPool {
         }
     }
 
-    /// A connection, waiting at most `wait` for one to be free; each of its
-    /// calls waits at most `deadline` for its answer.
+    /// A connection, waiting at most `wait` for one to be free (opening a
+    /// new one, at most the connect timeout and the pool's call deadline);
+    /// each of its calls waits at most `deadline` for its answer.
     pub fn get(&self, wait: Duration, deadline: Duration) -> Result<Pooled<'_>> {
+        self.get_opening_within(wait, deadline, self.open_wait())
+    }
+
+    /// How long opening a connection may take for an ordinary call.
+    fn open_wait(&self) -> Duration {
+        let connect = self.target.config.get_connect_timeout().copied();
+        connect.unwrap_or(CONNECT_TIMEOUT) + self.limits.call_deadline
+    }
+
+    /// As [`PgPool::get`], opening a new connection within `open` (the health
+    /// probe's own deadline, not a whole connect timeout, for a server that
+    /// accepts connections and answers nothing).
+    pub fn get_opening_within(
+        &self,
+        wait: Duration,
+        deadline: Duration,
+        open: Duration,
+    ) -> Result<Pooled<'_>> {
         let until = Instant::now() + wait;
         let mut idle = self.idle.conns.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -781,7 +799,7 @@ impl PgPool {
             }
             if let Some(slot) = self.reserve() {
                 drop(idle);
-                let mut c = PgConn::connect(&self.target, self.limits, slot, deadline)?;
+                let mut c = PgConn::connect(&self.target, self.limits, slot, open)?;
                 c.deadline = deadline;
                 return Ok(Pooled {
                     pool: self,
@@ -827,9 +845,10 @@ impl PgPool {
             }
             if let Some(slot) = self.reserve() {
                 let (target, limits, idle) = (self.target.clone(), self.limits, self.idle.clone());
+                let open = self.open_wait();
                 let (opened_tx, opened) = tokio::sync::oneshot::channel();
                 tokio::task::spawn_blocking(move || {
-                    let conn = PgConn::connect(&target, limits, slot, limits.call_deadline);
+                    let conn = PgConn::connect(&target, limits, slot, open);
                     // The caller stopped waiting (its task was cancelled):
                     // the connection is kept for the next one, not closed.
                     if let Err(Ok(conn)) = opened_tx.send(conn) {

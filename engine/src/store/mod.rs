@@ -396,10 +396,10 @@ impl Store {
         crate::sqldb::statements_sent_here()
     }
 
-    /// Whether the store answers a trivial query within `deadline` (waiting
-    /// for a free connection included; opening one waits at most twice the
-    /// deadline), and no earlier call still waits past its deadline: the
-    /// daemon's health probe.
+    /// Whether the store answers a trivial query within `deadline`, after
+    /// waiting at most `deadline` for a free connection, or as long to open
+    /// one; and no earlier call (a connect included) still waits past its
+    /// deadline: the daemon's health probe.
     pub fn probe(&self, deadline: Duration) -> Result<()> {
         match &self.backend {
             Backend::Sqlite(_) => self.with(|c| c.int("SELECT 1", &[]).map(|_| ())),
@@ -410,7 +410,7 @@ impl Store {
                         "{stalled} call(s) to PostgreSQL got no answer within their deadline and still wait for it"
                     )));
                 }
-                let mut c = pool.get(deadline, deadline)?;
+                let mut c = pool.get_opening_within(deadline, deadline, deadline)?;
                 c.int("SELECT 1", &[]).map(|_| ())
             }),
         }
