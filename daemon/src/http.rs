@@ -20,7 +20,7 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEAD: usize = 16 * 1024;
 
 /// How often the store is probed for `/healthz`, and how long a probe waits
-/// for it (a free connection and the answer).
+/// for it (a free connection, opening one, and the answer, each).
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 const PROBE_DEADLINE: Duration = Duration::from_secs(2);
 

@@ -297,7 +297,8 @@ impl Engine {
     }
 
     /// Whether the store answers within `deadline` (the daemon's health).
-    /// Blocks for at most about `deadline`: call it off the async tasks.
+    /// Blocks for at most about three times `deadline` (a free connection,
+    /// opening one, the answer): call it off the async tasks.
     pub fn probe_store(&self, deadline: Duration) -> Result<()> {
         Ok(self.store.probe(deadline)?)
     }

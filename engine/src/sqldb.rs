@@ -531,8 +531,23 @@ struct Slot {
     threads: Arc<AtomicUsize>,
     stalls: Arc<AtomicUsize>,
     freed: Arc<tokio::sync::Notify>,
-    /// [`RUNNING`], [`STALLED`] (a call gave up on it) or [`ENDED`].
+    /// [`RUNNING`], [`STALLED`] (a call or its connect gave up on it) or
+    /// [`ENDED`].
     state: Arc<AtomicU8>,
+}
+
+/// Counts a thread given up on (a call or a connect that got no answer by
+/// its deadline) as stalled until it ends, unless it already did. Counted
+/// before the state moves, so that the count never dips below zero when the
+/// thread ends in between (`Slot::drop` takes it back after the move).
+fn mark_stalled(state: &AtomicU8, stalls: &AtomicUsize) {
+    stalls.fetch_add(1, Ordering::SeqCst);
+    if state
+        .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        stalls.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 const RUNNING: u8 = 0;
 const STALLED: u8 = 1;
@@ -586,12 +601,7 @@ impl PgConn {
             }),
             Ok(Err(f)) => Err(open_err(f.message)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if state
-                    .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-                {
-                    stalls.fetch_add(1, Ordering::SeqCst);
-                }
+                mark_stalled(&state, &stalls);
                 Err(StoreError::Unreachable(format!(
                     "{}: no connection within {} ms",
                     target.redacted,
@@ -665,14 +675,7 @@ impl PgConn {
     /// in it, so the connection is never used again.
     fn gave_up(&mut self) -> StoreError {
         self.stalled = true;
-        // Counted until the thread ends (unless it just did).
-        if self
-            .state
-            .compare_exchange(RUNNING, STALLED, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
-        {
-            self.stalls.fetch_add(1, Ordering::SeqCst);
-        }
+        mark_stalled(&self.state, &self.stalls);
         StoreError::Unreachable(format!(
             "PostgreSQL did not answer within {} ms",
             self.deadline.as_millis()
@@ -746,7 +749,8 @@ pub(crate) struct PgPool {
     /// a connection opened for a caller that stopped waiting is kept there.
     idle: Arc<Idle>,
     threads: Arc<AtomicUsize>,
-    /// Calls that got no answer by their deadline and still wait for it.
+    /// Calls (and connects) that got no answer by their deadline and still
+    /// wait for it.
     stalls: Arc<AtomicUsize>,
     /// For messages: which pool ("store", "leases").
     name: &'static str,
@@ -769,9 +773,10 @@ impl PgPool {
         }
     }
 
-    /// A connection, waiting at most `wait` for one to be free (opening a
-    /// new one, at most the connect timeout and the pool's call deadline);
-    /// each of its calls waits at most `deadline` for its answer.
+    /// A connection, waiting at most `wait` for one to be free, and then, if
+    /// the pool has room for a new one, at most the connect timeout plus the
+    /// pool's call deadline to open it; each of its calls waits at most
+    /// `deadline` for its answer.
     pub fn get(&self, wait: Duration, deadline: Duration) -> Result<Pooled<'_>> {
         self.get_opening_within(wait, deadline, self.open_wait())
     }
@@ -933,9 +938,11 @@ impl PgPool {
             })
     }
 
-    /// How many calls gave up waiting for the server and still wait: while
-    /// there are any, the server (or the way to it) is stalled, even if a new
-    /// connection happens to answer.
+    /// How many calls (or connects) gave up waiting for the server and still
+    /// wait: while there are any, the server (or the way to it) is stalled,
+    /// even if a new connection happens to answer.
+    /// A thread waits on until the server answers or its connection fails
+    /// (keepalives end one to a vanished peer).
     pub fn stalled_calls(&self) -> usize {
         self.stalls.load(Ordering::SeqCst)
     }
