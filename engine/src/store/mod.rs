@@ -1489,8 +1489,9 @@ mod tests {
         a_renewed_lease_is_checked_and_a_taken_over_one_is_lost,
         |ts| {
             let s = ts.open();
+            // Long enough not to run out between the calls on a loaded host.
             let a = s
-                .acquire_lease("distributor/g1", "a", Duration::from_millis(50))
+                .acquire_lease("distributor/g1", "a", Duration::from_secs(5))
                 .unwrap();
             s.check_lease(&a).unwrap();
             let a = s.renew_lease(&a, Duration::from_secs(30)).unwrap();
@@ -1524,14 +1525,15 @@ mod tests {
     store_test!(lease_is_shared_across_processes_through_the_store, |ts| {
         let s1 = ts.open();
         let s2 = ts.open();
+        // Long enough that it is still held at s2's try on a loaded host.
         let one = s1
-            .acquire_lease("distributor/g", "one", Duration::from_millis(100))
+            .acquire_lease("distributor/g", "one", Duration::from_secs(1))
             .unwrap();
         assert!(matches!(
             s2.acquire_lease("distributor/g", "two", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
         ));
-        std::thread::sleep(Duration::from_millis(150));
+        std::thread::sleep(Duration::from_millis(1100));
         // Expired: the other handle takes it over with a higher fence, and the
         // first one's fence check fails from then on.
         let two = s2
