@@ -229,15 +229,16 @@ store_test!(
         let b = ts.open();
         group(&a, "g1");
         let key = daemon_claim_key("g1");
+        // Long enough to outlive the next two calls on a loaded host.
         let old = a
-            .acquire_lease(&key, "daemon-a", Duration::from_millis(50))
+            .acquire_lease(&key, "daemon-a", Duration::from_secs(1))
             .unwrap();
         block_on(a.put_policy_state(&old, "g1", "az1", &cooling(1))).unwrap();
         assert!(matches!(
             b.acquire_lease(&key, "daemon-b", Duration::from_secs(30)),
             Err(StoreError::LeaseHeld { .. })
         ));
-        std::thread::sleep(Duration::from_millis(80));
+        std::thread::sleep(Duration::from_millis(1100));
         let new = b
             .acquire_lease(&key, "daemon-b", Duration::from_secs(30))
             .unwrap();
