@@ -1317,8 +1317,8 @@ async fn the_snapshots_publication_check_agrees_with_the_full_one() {
 
 /// The engine keeps a group's node API credentials: the configuration push
 /// left the node a session ticket, so the next connection with them resumes
-/// that session instead of checking certificates again (the daemon's samples
-/// dial with the same). A destroyed group's credentials are not kept.
+/// that session instead of checking certificates again, the daemon's
+/// statistics connection too. A destroyed group's credentials are not kept.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_groups_node_connections_share_its_credentials_and_resume_one_session() {
     use lbscale_engine::nodeapi::NodeClient;
@@ -1334,12 +1334,30 @@ async fn a_groups_node_connections_share_its_credentials_and_resume_one_session(
         "the group's credentials were issued again while fresh"
     );
     let node = s.rows().remove(0);
-    let client = NodeClient::connect_with(&creds, &node.private_ip, 9990, &node.id, &token)
+    let mut client = NodeClient::connect_with(&creds, &node.private_ip, 9990, &node.id, &token)
         .await
         .expect("connect to the node");
     assert!(
         client.resumed_session(),
         "the configuration push did not use the group's kept credentials: nothing to resume"
+    );
+    // The daemon's samples dial with the same credentials, over a TLS
+    // configuration of their own (another ALPN) that shares the tickets. One
+    // ticket is kept per node: the resumed connection's call brings the next.
+    client.stats().await.expect("the node's statistics");
+    drop(client);
+    let stats = lbscale_engine::nodeapi::stats::StatsClient::connect(
+        &creds,
+        &node.private_ip,
+        9990,
+        &node.id,
+        &token,
+    )
+    .await
+    .expect("a statistics connection to the node");
+    assert!(
+        stats.resumed_session(),
+        "the statistics connection did not resume a session of the group's credentials"
     );
 
     s.engine.delete_group(&s.group).await.unwrap();
