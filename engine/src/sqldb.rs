@@ -536,6 +536,10 @@ struct Slot {
     state: Arc<AtomicU8>,
 }
 
+const RUNNING: u8 = 0;
+const STALLED: u8 = 1;
+const ENDED: u8 = 2;
+
 /// Counts a thread given up on (a call or a connect that got no answer by
 /// its deadline) as stalled until it ends, unless it already did. Counted
 /// before the state moves, so that the count never dips below zero when the
@@ -549,9 +553,7 @@ fn mark_stalled(state: &AtomicU8, stalls: &AtomicUsize) {
         stalls.fetch_sub(1, Ordering::SeqCst);
     }
 }
-const RUNNING: u8 = 0;
-const STALLED: u8 = 1;
-const ENDED: u8 = 2;
+
 impl Drop for Slot {
     fn drop(&mut self) {
         if self.state.swap(ENDED, Ordering::SeqCst) == STALLED {

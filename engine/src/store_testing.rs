@@ -120,18 +120,19 @@ fn unique(name: &str) -> String {
 
 /// `url` with its database replaced by `db`.
 pub fn with_database(url: &str, db: &str) -> String {
-    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
-    let (before_query, query) = match rest.split_once('?') {
-        Some((a, q)) => (a, Some(q)),
-        None => (rest, None),
-    };
-    let authority = before_query.split('/').next().unwrap();
-    let mut out = format!("{scheme}://{authority}/{db}");
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
+    let (scheme, authority, tail) = url_parts(url);
+    match tail.split_once('?') {
+        Some((_, query)) => format!("{scheme}://{authority}/{db}?{query}"),
+        None => format!("{scheme}://{authority}/{db}"),
     }
-    out
+}
+
+/// A `scheme://authority/path?query` URL's scheme, authority and the rest
+/// (`/path?query`, either part possibly absent).
+fn url_parts(url: &str) -> (&str, &str, &str) {
+    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    (scheme, &rest[..end], &rest[end..])
 }
 
 /// Runs `f` with a plain PostgreSQL client on a thread of its own (the sync

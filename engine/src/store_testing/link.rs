@@ -8,6 +8,7 @@
 //! what a stalled client left open, and other clients are not held up (a
 //! backend stopped with SIGSTOP instead may hold a lock of the whole server).
 
+use super::url_parts;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -70,7 +71,7 @@ impl Link {
     /// `host=` or `port=` parameters): its store would pass the link by.
     pub fn to(url: &str) -> Link {
         assert!(
-            !authority(url).contains(',')
+            !url_parts(url).1.contains(',')
                 && !url.contains("host=")
                 && !url.contains("hostaddr=")
                 && !url.contains("port="),
@@ -200,7 +201,7 @@ fn relay(mut from: TcpStream, mut to: TcpStream, flags: &Flags) {
 
 /// `host:port` of a `scheme://[user[:pw]@]host[:port][/db][?query]` URL.
 fn server_addr(url: &str) -> String {
-    let authority = authority(url);
+    let authority = url_parts(url).1;
     let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
     if hostport
         .rsplit_once(':')
@@ -212,16 +213,9 @@ fn server_addr(url: &str) -> String {
     }
 }
 
-fn authority(url: &str) -> &str {
-    let rest = url.split_once("://").expect("a URL with a scheme").1;
-    rest.split(['/', '?']).next().unwrap()
-}
-
 /// `url` with its `host:port` replaced by `addr`, the rest kept.
 fn with_authority_addr(url: &str, addr: &str) -> String {
-    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
-    let authority = authority(url);
-    let tail = &rest[authority.len()..];
+    let (scheme, authority, tail) = url_parts(url);
     match authority.rsplit_once('@') {
         Some((user, _)) => format!("{scheme}://{user}@{addr}{tail}"),
         None => format!("{scheme}://{addr}{tail}"),
